@@ -1,0 +1,37 @@
+"""Token-by-token references for the CPU ops, written for clarity and run in float64 by the tests."""
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, use_qk_l2norm=False):
+    """One sequence, plain recurrence. q, k: [T, HV, K] (already expanded to value heads); v: [T, HV, V];
+    g, beta: [T, HV]; initial_state: [HV, V, K]. Returns (o [T, HV, V], final state [HV, V, K]).
+
+        S_t = a_t S_{t-1} + beta_t (v_t - a_t S_{t-1} k_t) k_t^T,   a_t = exp(g_t),   o_t = S_t q_t * scale
+    """
+    T, HV, K = k.shape
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    scale = K**-0.5 if scale is None else scale
+    S = torch.zeros(HV, v.shape[-1], K, dtype=q.dtype) if initial_state is None else initial_state.clone()
+    o = torch.empty(T, HV, v.shape[-1], dtype=q.dtype)
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        delta = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
+        S = S + torch.einsum("hv,hk->hvk", delta, k[t])
+        o[t] = torch.einsum("hvk,hk->hv", S, q[t]) * scale
+    return o, S
+
+
+def naive_causal_conv1d(x, weight, bias=None, initial_state=None, silu=True):
+    """One sequence. x: [dim, T]; weight: [dim, width]; initial_state: [dim, width - 1] left context.
+    Returns (y [dim, T], final state [dim, width - 1])."""
+    dim, width = weight.shape
+    left = torch.zeros(dim, width - 1, dtype=x.dtype) if initial_state is None else initial_state
+    window = torch.cat([left, x], dim=-1)
+    y = torch.stack([(window[:, t : t + width] * weight).sum(-1) for t in range(x.shape[1])], dim=-1)
+    if bias is not None:
+        y = y + bias[:, None]
+    return (F.silu(y) if silu else y), window[:, -(width - 1):]

@@ -1,0 +1,368 @@
+"""Build small random-weight Qwen3.5 / Qwen3-Next checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
+
+    python -m tailreplay_sglang.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
+
+Everything is made locally: a byte-level BPE tokenizer trained on a generated English corpus, a config written
+for both libraries, and weights drawn by the HF model class from a fixed seed. A directory that already holds
+the same build (preset, seed, dtype, builder version; see `tailreplay_build.json`) is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+# Bump whenever a change here alters what a preset builds, so cached builds are redone.
+BUILDER_VERSION = 1
+BUILD_MARKER = "tailreplay_build.json"
+DTYPES = ("float32", "bfloat16", "float16")
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Every 4th layer is full attention, the rest Gated DeltaNet: [GDN, GDN, GDN, FA] repeated.
+FULL_ATTENTION_INTERVAL = 4
+# Qwen3.5's RoPE settings. SGLang's Qwen3-Next attention reads the top-level `rope_theta`, which transformers 5
+# no longer writes (it keeps it in `rope_parameters`), so both places get the same value.
+ROPE_THETA = 10_000_000.0
+PARTIAL_ROTARY_FACTOR = 0.25
+# Range of memory lengths, in tokens, that the GDN heads start with (see `_init_gdn_gates`).
+GDN_MEMORY_TOKENS = (16.0, 512.0)
+# Independent of --seed: the tokenizer depends only on the preset's vocabulary size.
+CORPUS_SEED = 1234
+CORPUS_SENTENCES = 400
+
+
+@dataclass(frozen=True)
+class MoE:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str  # transformers model_type; its causal LM class is the checkpoint's architecture
+    num_hidden_layers: int
+    hidden_size: int
+    # Multiples of 32 throughout: SGLang's CPU path pads unaligned MLP/MoE sizes to 32.
+    intermediate_size: int
+    vocab_size: int  # the tokenizer is trained to exactly this size
+    linear_num_key_heads: int
+    linear_num_value_heads: int  # grouped value heads: a multiple of the key heads
+    linear_head_dim: int  # GDN key and value head dim
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    dtype: str
+    moe: MoE | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-qwen35": Preset(
+        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=8192, dtype="float32",
+    ),
+    "tiny-qwen3next": Preset(
+        model_type="qwen3_next", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=8192, dtype="float32",
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "small": Preset(
+        model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=65536, dtype="bfloat16",
+    ),
+}
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------------
+
+_SUBJECTS = (
+    "the old sailor", "a young engineer", "my neighbour", "the committee", "our teacher", "a curious child",
+    "the baker", "her brother", "the river pilot", "every student", "the quiet librarian", "a tired doctor",
+    "the mayor", "his grandmother", "the new manager", "a travelling musician", "the gardener", "nobody",
+    "the programmer", "a small dog", "the farmers", "their captain", "the scientist", "an honest merchant",
+)
+_VERBS = (
+    "carried", "painted", "repaired", "described", "forgot", "discovered", "measured", "borrowed", "explained",
+    "delivered", "noticed", "collected", "followed", "questioned", "remembered", "replaced", "ordered", "finished",
+    "studied", "opened", "counted", "ignored", "protected", "welcomed", "compared", "organised", "wrote about",
+)
+_OBJECTS = (
+    "the wooden boxes", "a broken window", "the morning newspaper", "three silver coins", "the long report",
+    "an empty bottle", "the garden fence", "a strange letter", "the winter coats", "his favourite song",
+    "the kitchen table", "a heavy suitcase", "the final chapter", "two green apples", "the village map",
+    "a paper lantern", "the blue bicycle", "seven small stones", "the quarterly budget", "an ancient clock",
+)
+_PLACES = (
+    "near the harbour", "in the library", "behind the station", "at the market", "under the bridge",
+    "on the mountain road", "in the kitchen", "across the valley", "beside the lake", "inside the museum",
+    "at the corner shop", "in the northern city", "along the coast", "outside the school", "over the hills",
+)
+_TIMES = (
+    "yesterday", "this morning", "last winter", "before dawn", "after lunch", "on Tuesday", "every evening",
+    "in September", "during the storm", "at midnight", "two weeks ago", "on the first day of spring",
+)
+_ADVERBS = (
+    "slowly", "carefully", "quietly", "happily", "suddenly", "patiently", "eagerly", "nervously", "politely",
+    "bravely", "quickly", "gently", "proudly", "clumsily", "silently",
+)
+_CONNECTORS = ("because", "although", "while", "so", "but", "and then", "until", "after")
+_QUESTIONS = (
+    "Why did {s} leave {o} {p}?", "Who {v} {o} {t}?", "Where did {s} find {o}?", "How many times has {s} {v} {o}?",
+)
+
+
+def _sentence(rng: random.Random) -> str:
+    s, v, o, p, t, a = (rng.choice(words) for words in (_SUBJECTS, _VERBS, _OBJECTS, _PLACES, _TIMES, _ADVERBS))
+    kind = rng.randrange(5)
+    if kind == 0:
+        text = f"{t.capitalize()}, {s} {a} {v} {o} {p}."
+    elif kind == 1:
+        text = f"{s.capitalize()} {v} {o} {rng.choice(_CONNECTORS)} {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {p}."
+    elif kind == 2:
+        text = rng.choice(_QUESTIONS).format(s=s, v=v, o=o, p=p, t=t)
+        text = text[0].upper() + text[1:]
+    elif kind == 3:
+        text = f'"{s.capitalize()} {v} {o}," she said, "and it cost {rng.randrange(2, 999)} dollars."'
+    else:
+        text = f"On {rng.randrange(1, 29)}/{rng.randrange(1, 13)}/{rng.randrange(1950, 2030)} {s} {a} {v} {o}!"
+    return text
+
+
+def training_corpus() -> list[str]:
+    """A deterministic English corpus of about 30 KB: template sentences from the word lists above."""
+    rng = random.Random(CORPUS_SEED)
+    return [_sentence(rng) for _ in range(CORPUS_SENTENCES)]
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (so any text round-trips) with the ChatML special tokens at ids 0, 1, 2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        # The model's vocab must equal the tokenizer's, or sampled ids could not be decoded.
+        raise ValueError(f"corpus only supports {tokenizer.get_vocab_size()} tokens, preset wants {vocab_size}")
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+    """tokenizer.json plus a hand-written tokenizer_config.json.
+
+    transformers 5's own writer puts the chat template in a separate chat_template.jinja and names its v5-only
+    backend class; writing the config ourselves keeps the template inline and the class name that every reader
+    (older transformers, SGLang's tokenizer manager) understands.
+    """
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": model_max_length,
+        # Byte-level BPE decodes exactly; the default clean-up would rewrite spaces before punctuation.
+        "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+# --- model -------------------------------------------------------------------------------------------------------
+
+
+def layer_types(num_hidden_layers: int) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+        for i in range(num_hidden_layers)
+    ]
+
+
+def model_config(preset: Preset, tokenizer: Tokenizer, dtype: str):
+    moe_fields = {}
+    if preset.moe is not None:
+        # decoder_sparse_step=1 and no mlp_only_layers: every layer is MoE, which is all SGLang's Qwen3-Next supports.
+        moe_fields = dict(asdict(preset.moe), decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    config = AutoConfig.for_model(
+        preset.model_type,
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        layer_types=layer_types(preset.num_hidden_layers),
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim,
+        linear_num_key_heads=preset.linear_num_key_heads,
+        linear_num_value_heads=preset.linear_num_value_heads,
+        linear_key_head_dim=preset.linear_head_dim,
+        linear_value_head_dim=preset.linear_head_dim,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=preset.max_position_embeddings,
+        # No mrope_section: text-only checkpoints then get plain 1-D RoPE in SGLang, which is what HF's
+        # (always interleaved-mrope) rotary embedding reduces to when all three position rows are equal.
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        dtype=dtype,
+        **moe_fields,
+    )
+    # Keys transformers 5 no longer writes but SGLang's configs read. SGLang derives its layer pattern from
+    # full_attention_interval (not layer_types) and defaults attn_output_gate to True, which HF's Qwen3.5 /
+    # Qwen3-Next attention always applies; spelling it out keeps the two from drifting apart silently.
+    config.full_attention_interval = FULL_ATTENTION_INTERVAL
+    config.rope_theta = ROPE_THETA
+    config.attn_output_gate = True
+    return config
+
+
+@torch.no_grad()
+def _init_gdn_gates(model: PreTrainedModel) -> None:
+    """Give every GDN head a memory of tens to hundreds of tokens.
+
+    The per-token state decay is exp(-exp(A_log) * softplus(a_t + dt_bias)). HF's init (A ~ U(0.01, 16),
+    dt_bias = 1) leaves most heads with a decay below 0.01, so the recurrent state is forgotten within a token
+    or two and replaying a prefix state would be indistinguishable from dropping it. We set A = 1 and
+    softplus(dt_bias) = 1 / tau with tau log-spaced over GDN_MEMORY_TOKENS across each layer's value heads:
+    decay exp(-1/tau), i.e. a memory of about tau tokens. The input term a_t (std ~0.02 * sqrt(hidden)) still
+    modulates it per token, by a factor of about exp(a_t).
+    """
+    low, high = (math.log10(tokens) for tokens in GDN_MEMORY_TOKENS)
+    for module in model.modules():
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            rate = 1.0 / torch.logspace(low, high, module.num_v_heads)
+            module.dt_bias.copy_(torch.log(torch.expm1(rate)))  # inverse softplus
+            module.A_log.zero_()
+
+
+def init_model(config, seed: int, dtype: str) -> PreTrainedModel:
+    """HF's own init (normal std 0.02) drawn in float32 from `seed`, so every dtype rounds the same weights."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_gdn_gates(model)
+    model.config.dtype = dtype
+    return model.to(getattr(torch, dtype))
+
+
+def generation_config(tokenizer: Tokenizer) -> GenerationConfig:
+    # Stop at the end of an assistant turn as well as at the end of a document.
+    return GenerationConfig(
+        eos_token_id=[tokenizer.token_to_id(IM_END), tokenizer.token_to_id(ENDOFTEXT)],
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        bos_token_id=None,
+    )
+
+
+# --- build -------------------------------------------------------------------------------------------------------
+
+
+def _build_record(preset_name: str, seed: int, dtype: str) -> dict:
+    return {"preset": preset_name, "seed": seed, "dtype": dtype, "builder_version": BUILDER_VERSION}
+
+
+def _existing_record(out_dir: Path) -> dict | None:
+    marker = out_dir / BUILD_MARKER
+    if not marker.is_file():
+        return None
+    record = json.loads(marker.read_text())
+    record.pop("num_parameters", None)
+    return record
+
+
+def _write_build(preset: Preset, record: dict, staging: Path) -> None:
+    tokenizer = train_tokenizer(preset.vocab_size)
+    save_tokenizer(tokenizer, staging, preset.max_position_embeddings)
+    model = init_model(model_config(preset, tokenizer, record["dtype"]), record["seed"], record["dtype"])
+    model.generation_config = generation_config(tokenizer)
+    model.save_pretrained(staging)  # transformers 5 always writes safetensors
+    marker = dict(record, num_parameters=model.num_parameters())
+    # Written last: a directory without it is never mistaken for a finished build.
+    (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _publish(staging: Path, out_dir: Path, record: dict) -> None:
+    """Move a finished build into place, replacing only an earlier build of ours (or an empty directory)."""
+    if out_dir.exists():
+        if _existing_record(out_dir) is None and any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} is not empty and holds no {BUILD_MARKER}; not overwriting it")
+        shutil.rmtree(out_dir)
+    try:
+        staging.rename(out_dir)
+    except OSError:
+        # A concurrent builder got there first; its build is as good as ours if it matches.
+        if _existing_record(out_dir) != record:
+            raise
+
+
+def build_model(
+    preset: str, out_dir: str | Path, seed: int = 0, dtype: str | None = None, force: bool = False
+) -> Path:
+    """Build `preset` into `out_dir` (unless it already holds this exact build) and return `out_dir`."""
+    spec = PRESETS[preset]
+    dtype = dtype or spec.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out_dir = Path(out_dir)
+    record = _build_record(preset, seed, dtype)
+    if not force and _existing_record(out_dir) == record:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place, so readers never see a half-written checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the published checkpoint from other users
+    try:
+        _write_build(spec, record, staging)
+        _publish(staging, out_dir, record)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    parser.add_argument("--dtype", choices=DTYPES, help="override the preset's dtype")
+    parser.add_argument("--force", action="store_true", help="rebuild even if OUT already holds this build")
+    args = parser.parse_args(argv)
+    out_dir = build_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, force=args.force)
+    print(json.dumps({"path": str(out_dir), **json.loads((out_dir / BUILD_MARKER).read_text())}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Start and stop a real `python -m sglang.launch_server` process (tests, benchmarks, the main job).
+
+The server runs in its own session so that stopping it kills the whole process group it spawned (tokenizer
+manager, scheduler, detokenizer) by PID, even when the caller fails half-way.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+# What serves a hybrid GDN model on a CPU without sgl-kernel's CPU build (docs/cpu.md explains each flag).
+CPU_FLAGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--mem-fraction-static", "0.1",
+    "--mamba-radix-cache-strategy", "no_buffer",
+    "--disable-overlap-schedule",
+    "--max-mamba-cache-size", "64",
+)
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A launched server. `base_url` answers once `wait_healthy` returns."""
+
+    model_path: str
+    extra_args: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    max_total_tokens: int = 4096
+    context_length: int | None = None
+    max_running_requests: int = 8
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
+               "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
+               "--max-total-tokens", str(self.max_total_tokens),
+               "--max-running-requests", str(self.max_running_requests)]
+        if self.context_length:
+            cmd += ["--context-length", str(self.context_length)]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), env={**os.environ, **CPU_ENV}, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up"
+                                   f"{self._log_tail()}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout:.0f} s{self._log_tail()}")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left."""
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if not _group_alive(self.proc.pid):
+                return
+
+    def _log_tail(self, chars: int = 4000) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        return "\n--- server log tail ---\n" + Path(self.log_path).read_text(errors="replace")[-chars:]
+
+    def __enter__(self):
+        return self.start().wait_healthy()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
