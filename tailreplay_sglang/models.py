@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 BUILD_MARKER = "tailreplay_build.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -81,13 +81,13 @@ PRESETS: dict[str, Preset] = {
         model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=8192, dtype="float32",
+        max_position_embeddings=32768, dtype="float32",
     ),
     "tiny-qwen3next": Preset(
         model_type="qwen3_next", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=8192, dtype="float32",
+        max_position_embeddings=32768, dtype="float32",
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     "small": Preset(
@@ -210,7 +210,7 @@ def layer_types(num_hidden_layers: int) -> list[str]:
     ]
 
 
-def model_config(preset: Preset, tokenizer: Tokenizer, dtype: str):
+def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     moe_fields = {}
     if preset.moe is not None:
         # decoder_sparse_step=1 and no mlp_only_layers: every layer is MoE, which is all SGLang's Qwen3-Next supports.
@@ -233,12 +233,13 @@ def model_config(preset: Preset, tokenizer: Tokenizer, dtype: str):
         max_position_embeddings=preset.max_position_embeddings,
         # No mrope_section: text-only checkpoints then get plain 1-D RoPE in SGLang, which is what HF's
         # (always interleaved-mrope) rotary embedding reduces to when all three position rows are equal.
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR},
+        rope_parameters={
+            "rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+        },
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.token_to_id(IM_END),
         pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        dtype=dtype,
         **moe_fields,
     )
     # Keys transformers 5 no longer writes but SGLang's configs read. SGLang derives its layer pattern from
@@ -269,13 +270,12 @@ def _init_gdn_gates(model: PreTrainedModel) -> None:
             module.A_log.zero_()
 
 
-def init_model(config, seed: int, dtype: str) -> PreTrainedModel:
+def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedModel:
     """HF's own init (normal std 0.02) drawn in float32 from `seed`, so every dtype rounds the same weights."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_gdn_gates(model)
-    model.config.dtype = dtype
-    return model.to(getattr(torch, dtype))
+    return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 
 def generation_config(tokenizer: Tokenizer) -> GenerationConfig:
@@ -294,19 +294,20 @@ def _build_record(preset_name: str, seed: int, dtype: str) -> dict:
     return {"preset": preset_name, "seed": seed, "dtype": dtype, "builder_version": BUILDER_VERSION}
 
 
-def _existing_record(out_dir: Path) -> dict | None:
+def _read_marker(out_dir: Path) -> dict | None:
     marker = out_dir / BUILD_MARKER
-    if not marker.is_file():
-        return None
-    record = json.loads(marker.read_text())
-    record.pop("num_parameters", None)
-    return record
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def _holds_build(out_dir: Path, record: dict) -> bool:
+    marker = _read_marker(out_dir)
+    return marker is not None and all(marker.get(key) == value for key, value in record.items())
 
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = train_tokenizer(preset.vocab_size)
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings)
-    model = init_model(model_config(preset, tokenizer, record["dtype"]), record["seed"], record["dtype"])
+    model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors
     marker = dict(record, num_parameters=model.num_parameters())
@@ -317,14 +318,14 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
 def _publish(staging: Path, out_dir: Path, record: dict) -> None:
     """Move a finished build into place, replacing only an earlier build of ours (or an empty directory)."""
     if out_dir.exists():
-        if _existing_record(out_dir) is None and any(out_dir.iterdir()):
+        if _read_marker(out_dir) is None and any(out_dir.iterdir()):
             raise FileExistsError(f"{out_dir} is not empty and holds no {BUILD_MARKER}; not overwriting it")
         shutil.rmtree(out_dir)
     try:
         staging.rename(out_dir)
     except OSError:
         # A concurrent builder got there first; its build is as good as ours if it matches.
-        if _existing_record(out_dir) != record:
+        if not _holds_build(out_dir, record):
             raise
 
 
@@ -338,7 +339,7 @@ def build_model(
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out_dir = Path(out_dir)
     record = _build_record(preset, seed, dtype)
-    if not force and _existing_record(out_dir) == record:
+    if not force and _holds_build(out_dir, record):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place, so readers never see a half-written checkpoint.

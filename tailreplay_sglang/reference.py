@@ -46,8 +46,11 @@ def load_hf_model(model_path, dtype=torch.float32):
 @torch.no_grad()
 def greedy_generate(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([input_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=model.generation_config.eos_token_id)
+    eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    # min_new_tokens: like the server's ignore_eos, always produce exactly max_new_tokens tokens
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     return out[0, len(input_ids):].tolist()
 
 

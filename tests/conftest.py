@@ -11,3 +11,35 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---- real SGLang servers, shared per module and flag set ----
+
+import os
+from pathlib import Path
+
+from tailreplay_sglang.models import build_model
+from tailreplay_sglang.server import ServerProcess, _group_alive
+
+MODELS_DIR = Path(os.environ.get("TAILREPLAY_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35() -> Path:
+    return build_model("tiny-qwen35", MODELS_DIR / "tiny-qwen35")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3next() -> Path:
+    return build_model("tiny-qwen3next", MODELS_DIR / "tiny-qwen3next")
+
+
+def start_server(model_path, tmp_path_factory, *extra_args, **kwargs):
+    """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(str(model_path), tuple(extra_args), log_path=log, **kwargs)
+    try:
+        yield server.start().wait_healthy()
+    finally:
+        server.stop()
+        assert not _group_alive(server.proc.pid), "server process group survived stop()"

@@ -1,0 +1,118 @@
+"""Main job: a real SGLang server on the small hybrid model, and a shared-prefix workload against it.
+
+    python bench/shared_prefix.py [--preset small] [--system-tokens 1500] [--server-args "..."] [--out runs/...]
+
+The workload is what users of hybrid models send all the time: one long system prompt with different questions,
+an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request it
+prints the prompt length, SGLang's `cached_tokens` and the time to first token, and writes them as JSON.
+"""
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import requests
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tailreplay_sglang.models import build_model  # noqa: E402
+from tailreplay_sglang.server import ServerProcess  # noqa: E402
+
+WORDS = ("river stone lantern harbor signal garden copper window engine meadow silver orbit ladder canyon "
+         "thunder pocket marble violet anchor forest ember glacier compass falcon").split()
+
+
+def document(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    """Greedy /generate with streaming: returns output ids, meta_info and time to first token."""
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    start, ttft, last = time.perf_counter(), None, None
+    with requests.post(f"{base_url}/generate", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            last = json.loads(line[5:])
+    return {"output_ids": last["output_ids"], "meta_info": last["meta_info"], "ttft_s": ttft}
+
+
+def chat_ids(tok, system: str, turns: list[tuple[str, str]]) -> list[int]:
+    messages = [{"role": "system", "content": system}]
+    for role, content in turns:
+        messages.append({"role": role, "content": content})
+    return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+
+
+def workload(tok, system_words: int, answer_tokens: int, send):
+    """Runs the requests in order through `send(name, ids)`; yields nothing, `send` records."""
+    system = "You are a helpful assistant. Reference document: " + document(system_words, seed=1)
+    q1 = [("user", "Which word appears most often in the document?")]
+    first = send("system + question 1 (cold)", chat_ids(tok, system, q1))
+    send("identical resend of question 1", chat_ids(tok, system, q1))
+    send("system + question 2 (shared prefix)", chat_ids(tok, system, [("user", "Summarise the document.")]))
+    answer = tok.decode(first["output_ids"][:answer_tokens])
+    send("multi-turn follow-up", chat_ids(tok, system, q1 + [("assistant", answer), ("user", "And the rarest?")]))
+    half = chat_ids(tok, system, q1)[: len(chat_ids(tok, system, q1)) // 2]
+    send("fork mid-system-prompt", half + tok(" but instead, tell me a story").input_ids)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model-path", help="serve this checkpoint instead of building --preset")
+    ap.add_argument("--system-words", type=int, default=600, help="length of the shared document, in words")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--server-args", default="", help="extra flags for sglang.launch_server, e.g. --enable-tail-replay")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "shared_prefix.json"))
+    args = ap.parse_args(argv)
+
+    console = Console()
+    model_path = Path(args.model_path) if args.model_path else build_model(args.preset, ROOT / "models" / args.preset)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(str(model_path), tuple(shlex.split(args.server_args)),
+                           log_path=out.with_suffix(".server.log"), max_total_tokens=16384)
+    console.print(f"starting SGLang on {model_path} (log: {server.log_path})")
+    t0 = time.perf_counter()
+    results = []
+    with server:
+        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s at {server.base_url}")
+
+        def send(name, ids):
+            r = stream_generate(server.base_url, ids, args.max_new_tokens)
+            results.append({"request": name, "prompt_tokens": len(ids),
+                            "cached_tokens": r["meta_info"]["cached_tokens"], "ttft_s": r["ttft_s"],
+                            "answer": tok.decode(r["output_ids"])})
+            console.print(f"  {name}: {len(ids)} prompt tokens, cached_tokens={r['meta_info']['cached_tokens']}")
+            return r
+
+        workload(tok, args.system_words, args.max_new_tokens, send)
+
+    table = Table(title=f"shared-prefix workload on {model_path.name} ({args.server_args or 'stock SGLang'})")
+    for col in ("request", "prompt tokens", "cached tokens", "TTFT (s)", "answer"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["request"], str(r["prompt_tokens"]), str(r["cached_tokens"]), f"{r['ttft_s']:.2f}",
+                      repr(r["answer"][:40]))
+    console.print(table)
+    out.write_text(json.dumps({"model": str(model_path), "server_args": args.server_args, "requests": results},
+                              indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from tailreplay_sglang.models import BUILD_MARKER, PRESETS, build_model
+from tailreplay_sglang.reference import load_hf_model
+
+TINY_PRESETS = ["tiny-qwen35", "tiny-qwen3next"]
+PATTERN = ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_model(name, root / name) for name in TINY_PRESETS}
+
+
+def _config(model_dir):
+    return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tiny_presets_stay_under_a_million_parameters(built, preset):
+    marker = json.loads((built[preset] / BUILD_MARKER).read_text())
+    assert marker["num_parameters"] < 1_000_000
+    assert marker["num_parameters"] == sum(t.numel() for t in load_file(built[preset] / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_config_declares_the_hybrid_layer_pattern_for_hf_and_sglang(built, preset):
+    config = _config(built[preset])
+    assert config["full_attention_interval"] == 4
+    assert config["layer_types"] == PATTERN * 2
+    assert config["num_hidden_layers"] == PRESETS[preset].num_hidden_layers == 8
+    # SGLang's Qwen3-Next attention reads the top-level rope_theta; it must agree with HF's rope_parameters.
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert config["dtype"] == "float32"
+
+
+def test_sglang_config_classes_see_full_attention_at_layers_3_and_7(built):
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    for preset, architecture in [("tiny-qwen35", "Qwen3_5ForCausalLM"), ("tiny-qwen3next", "Qwen3NextForCausalLM")]:
+        config = get_config(str(built[preset]), trust_remote_code=False)
+        assert config.architectures == [architecture]
+        assert config.full_attention_layer_ids == [3, 7]
+        assert config.rope_theta == _config(built[preset])["rope_parameters"]["rope_theta"]
+
+
+def test_tokenizer_round_trips_and_applies_chatml(built):
+    tokenizer = AutoTokenizer.from_pretrained(built["tiny-qwen35"])
+    assert len(tokenizer) == PRESETS["tiny-qwen35"].vocab_size
+    text = "The old sailor  repaired 3 windows, naïvely — didn't he?\n\tYes: 42%."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.bos_token is None and tokenizer.eos_token == "<|im_end|>"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    generation = json.loads((built["tiny-qwen35"] / "generation_config.json").read_text())
+    assert tokenizer.eos_token_id in generation["eos_token_id"]
+
+
+@torch.no_grad()
+def _greedy(model, input_ids, max_new_tokens=8):
+    ids = torch.tensor([input_ids])
+    # generation_config.json supplies eos (a list: <|im_end|>, <|endoftext|>) and pad.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(input_ids):].tolist()
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_hf_loads_and_generates_deterministically(built, preset):
+    model = load_hf_model(built[preset])  # float32, torch GDN path on CPU
+    tokenizer = AutoTokenizer.from_pretrained(built[preset])
+    prompt = tokenizer("The gardener quietly opened the garden fence")["input_ids"]
+    first = _greedy(model, prompt)
+    assert 0 < len(first) <= 8
+    assert _greedy(model, prompt) == first
+
+
+def test_same_seed_same_weights_other_seed_other_weights(built, tmp_path):
+    original = load_file(built["tiny-qwen35"] / "model.safetensors")
+    again = load_file(build_model("tiny-qwen35", tmp_path / "again") / "model.safetensors")
+    assert all(torch.equal(original[name], again[name]) for name in original)
+    reseeded = load_file(build_model("tiny-qwen35", tmp_path / "reseeded", seed=1) / "model.safetensors")
+    assert not torch.equal(original["lm_head.weight"], reseeded["lm_head.weight"])
+
+
+def test_matching_build_is_skipped_unless_forced(tmp_path):
+    out = build_model("tiny-qwen35", tmp_path / "m")
+    weights = out / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert build_model("tiny-qwen35", out) == out
+    assert weights.stat().st_mtime_ns == before
+    build_model("tiny-qwen35", out, force=True)
+    assert weights.stat().st_mtime_ns != before
+    build_model("tiny-qwen35", out, dtype="bfloat16")  # a different build replaces it
+    assert _config(out)["dtype"] == "bfloat16"
+
+
+def test_refuses_to_overwrite_a_directory_that_is_not_a_build(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_model("tiny-qwen35", out)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # no staging directory left behind
