@@ -1,6 +1,6 @@
 """Main job: a real SGLang server on the small hybrid model, and a shared-prefix workload against it.
 
-    python bench/shared_prefix.py [--preset small] [--system-tokens 1500] [--server-args "..."] [--out runs/...]
+    python bench/shared_prefix.py [--preset small] [--system-words 600] [--server-args "..."] [--out runs/...]
 
 The workload is what users of hybrid models send all the time: one long system prompt with different questions,
 an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request it
@@ -53,7 +53,8 @@ def chat_ids(tok, system: str, turns: list[tuple[str, str]]) -> list[int]:
     messages = [{"role": "system", "content": system}]
     for role, content in turns:
         messages.append({"role": role, "content": content})
-    return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
 
 
 def workload(tok, system_words: int, answer_tokens: int, send):
@@ -75,11 +76,12 @@ def main(argv=None):
     ap.add_argument("--model-path", help="serve this checkpoint instead of building --preset")
     ap.add_argument("--system-words", type=int, default=600, help="length of the shared document, in words")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--server-args", default="", help="extra flags for sglang.launch_server, e.g. --enable-tail-replay")
+    ap.add_argument("--server-args", default="--dtype float32",
+                    help="extra flags for sglang.launch_server (float32: these CPUs have no fast bf16 matmul)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "shared_prefix.json"))
     args = ap.parse_args(argv)
 
-    console = Console()
+    console = Console(width=150)
     model_path = Path(args.model_path) if args.model_path else build_model(args.preset, ROOT / "models" / args.preset)
     tok = AutoTokenizer.from_pretrained(model_path)
     out = Path(args.out)

@@ -1,0 +1,124 @@
+"""One GDN layer's replay over a packed batch of tails: conv, then the delta rule, from zero conv and recurrent state.
+
+`replay_gdn_layer` is what the replay pass calls for every GDN layer of a group (with `state_only=True` for the
+group's last one, whose outputs nobody reads). CUDA tensors go through the Triton kernels of this package; CPU
+tensors through the torch ops of `tailreplay_sglang.cpu` (chunked, not per token), so the same pass runs on any CPU.
+Layer sizes come from the pool shapes: `ssm_states` is `[slots, HV, V, K]` and `mixed_qkv` packs q | k | v as
+SGLang does (`conv_dim = 2 H K + HV V`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from tailreplay_sglang.cpu import conv as cpu_conv
+from tailreplay_sglang.cpu import gdn as cpu_gdn
+
+from .conv import naive_replay_causal_conv1d, replay_causal_conv1d
+from .gdn import gdn_replay_fwd, naive_gdn_replay
+
+
+def split_qkv(mixed_qkv, HV: int, V: int, K: int):
+    """[T, 2 H K + HV V] -> views q, k: [T, H, K] and v: [T, HV, V] (no copies)."""
+    T, conv_dim = mixed_qkv.shape
+    H = (conv_dim - HV * V) // (2 * K)
+    q, k, v = torch.split(mixed_qkv, [H * K, H * K, HV * V], dim=-1)
+    return q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V)
+
+
+def replay_gdn_layer(
+    mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states,
+    state_only: bool = False, max_seqlen: int | None = None,
+):
+    """Replay one GDN layer from zero state over a packed batch of tails; the states land in the mamba slots.
+
+    mixed_qkv: [T, 2 H K + HV V] pre-conv projections (q | k | v); a, b: [T, HV] raw gate inputs;
+    conv_weight: [conv_dim, width]; conv_bias: [conv_dim] or None; A_log, dt_bias: [HV];
+    cu_seqlens: [N + 1] int tail boundaries; slots: [N] int mamba slot of each tail;
+    conv_states: [num_slots, conv_dim, width - 1] and ssm_states: [num_slots, HV, V, K], this layer's pools:
+    slot slots[i] gets tail i's conv state (last width - 1 inputs) and final recurrent state; nothing else is
+    read or written (whatever the slots held before does not matter).
+    max_seqlen: longest tail, known to the planner; saves the Triton path a device sync (read when None).
+    Returns o: [T, HV, V] in mixed_qkv's dtype (before the gated norm), or None when `state_only`.
+    """
+    args = (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states)
+    if mixed_qkv.is_cuda:
+        return replay_gdn_layer_triton(*args, state_only=state_only, max_seqlen=max_seqlen)
+    return replay_gdn_layer_torch(*args, state_only=state_only)
+
+
+def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
+                            ssm_states, state_only=False, max_seqlen=None):
+    """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it)."""
+    y = replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen)
+    q, k, v = split_qkv(y, *ssm_states.shape[1:])
+    return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only)
+
+
+def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
+                           ssm_states, state_only=False):
+    """`replay_gdn_layer` on the torch ops of tailreplay_sglang.cpu (the CPU path); same arguments."""
+    y = cpu_conv.causal_conv1d_fwd(mixed_qkv.T, conv_weight, conv_bias, conv_states, cu_seqlens, slots, None, "silu")
+    q, k, v = split_qkv(y.T, *ssm_states.shape[1:])
+    o, final = gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only)
+    ssm_states[slots.long()] = final.to(ssm_states.dtype)
+    return o
+
+
+def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False):
+    """Chunked torch GDN replay from zero state (shapes as `gdn_replay_fwd`).
+
+    Returns (o [T, HV, V] in v's dtype or None when `state_only`, final states [N, HV, V, K] float32).
+    """
+    g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias)
+    if not state_only:
+        o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, None, cu_seqlens,
+                                                  use_qk_l2norm_in_kernel=True)
+        return o[0], final
+    HV = v.shape[1]
+    kf = cpu_gdn.l2norm(k.float()).repeat_interleave(HV // k.shape[1], dim=1).transpose(0, 1)  # [HV, T, K]
+    vf, g, beta = v.float().transpose(0, 1), g[0].T, beta[0].T
+    bounds = cu_seqlens.tolist()
+    finals = [_chunk_final_state(kf[:, s:e], vf[:, s:e], g[:, s:e], beta[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
+    return None, torch.stack(finals)
+
+
+def _chunk_final_state(k, v, g, beta, chunk_size: int = cpu_gdn.CHUNK_SIZE):
+    """One tail from zero state, state only. k: [HV, T, K] (normalised); v: [HV, T, V]; g, beta: [HV, T].
+
+    NOTE: the WY chunk scan of tailreplay_sglang.cpu.gdn._chunk_scan without its output half (no q k^T, no q S^T).
+    Returns the final state [HV, V, K].
+    """
+    HV, T, K = k.shape
+    pad = (-T) % chunk_size  # zero-padded tokens (k = 0, g = 0) leave the state untouched
+    k, v = (F.pad(x, (0, 0, 0, pad)) for x in (k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n, C = (T + pad) // chunk_size, chunk_size
+    k, v = (x.view(HV, n, C, -1).transpose(0, 1) for x in (k, v))
+    g = g.view(HV, n, C).transpose(0, 1).cumsum(-1)
+    beta = beta.view(HV, n, C).transpose(0, 1)
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * g.exp()).unsqueeze(-1) * k], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
+    k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    chunk_decay = g[..., -1].exp()[..., None, None]
+
+    state = k.new_zeros(HV, v.shape[-1], K)
+    for c in range(n):
+        u = U[c] - W[c] @ state.transpose(-1, -2)
+        state = state * chunk_decay[c] + u.transpose(-1, -2) @ k_to_end[c]
+    return state
+
+
+def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, HV, V, K):
+    """Reference of `replay_gdn_layer` in the inputs' dtype (tests use float64).
+
+    Returns (o [T, HV, V], conv states [N, conv_dim, width - 1], final states [N, HV, V, K]).
+    """
+    y, conv_final = naive_replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens)
+    o, ssm_final = naive_gdn_replay(*split_qkv(y, HV, V, K), a, b, A_log, dt_bias, cu_seqlens)
+    return o, conv_final, ssm_final

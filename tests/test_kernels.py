@@ -1,0 +1,220 @@
+"""Replay kernels (tailreplay_sglang.kernels) against float64 token-by-token references.
+
+- `test_triton_*`: the Triton kernels. On a CPU-only machine they run under TRITON_INTERPRET=1 in float32, in a child
+  pytest started by `test_triton_kernels_under_interpreter` (Triton reads the variable when it is first imported,
+  so setting it in this process would switch every later Triton user of the session to the interpreter). With CUDA
+  they run natively here, in float32 and bfloat16.
+- `test_torch_*`: the torch CPU path of the replay, the function the server calls on CPU.
+States land in NaN-filled pools: a kernel that read a slot instead of starting from zero, or wrote the wrong slot,
+shows up as NaN.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import rel_err
+from tailreplay_sglang import kernels
+
+TOL = 1e-5
+BF16_TOL = 2e-2  # bfloat16 inputs and outputs, TF32 dots; the reference sees the same rounded inputs
+NUM_SLOTS = 16
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
+triton_runs_here = pytest.mark.skipif(
+    not (INTERPRETED or HAS_CUDA), reason="CPU: runs in the TRITON_INTERPRET=1 child of test_triton_kernels_under_interpreter"
+)
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+
+# (tail lengths, key heads H, value heads HV, K, V, chunk size BT); lengths are not multiples of the chunk size
+GDN_CASES = [
+    pytest.param([1], 1, 2, 16, 16, 16, id="T1"),
+    pytest.param([37], 1, 2, 32, 32, 64, id="T37-BT64"),
+    pytest.param([5, 40, 1, 100], 2, 4, 32, 32, 16, id="varlen4"),
+    pytest.param([300, 17], 1, 2, 32, 48, 16, id="varlen2-T300-V48"),
+    pytest.param([63, 1, 17, 90, 33, 5, 120, 64], 2, 4, 24, 16, 16, id="varlen8-K24"),
+]
+# (tail lengths, H, HV, K, V) for a whole layer: conv then GDN
+LAYER_CASES = [
+    pytest.param([3, 70, 1], 2, 4, 16, 16, id="varlen3"),
+    pytest.param([130], 1, 2, 32, 32, id="T130"),
+]
+
+
+def _tails(lengths, device):
+    """cu_seqlens [N + 1] int32 and N distinct random mamba slots."""
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return cu.to(device), torch.randperm(NUM_SLOTS)[: len(lengths)].to(device)
+
+
+def _gates(T, HV):
+    """Raw a, b and A_log, dt_bias giving decays of about 0.87-0.999: states remember across chunks."""
+    a, b = torch.randn(T, HV), torch.randn(T, HV)
+    A_log, dt_bias = torch.empty(HV).uniform_(0.01, 0.2).log(), torch.randn(HV) - 2
+    return a, b, A_log, dt_bias
+
+
+def _nan_pool(*shape, device, dtype=torch.float32):
+    return torch.full((NUM_SLOTS, *shape), float("nan"), dtype=dtype, device=device)
+
+
+def _assert_only_slots_written(pool, slots):
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert pool[untouched.to(pool.device)].isnan().all()
+
+
+def _f64(*tensors):
+    return [t.detach().double().cpu() for t in tensors]
+
+
+# ---- Triton kernels ----
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the child itself, or CUDA runs the kernels natively")
+def test_triton_kernels_under_interpreter():
+    """Runs this file's `test_triton_*` tests in a child pytest with TRITON_INTERPRET=1 (float32, CPU tensors)."""
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "test_triton_"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+@triton_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [1, 96, 2560])
+def test_triton_gather_tail_hiddens_equals_index_select(hidden, dtype):
+    store = torch.randn(50, hidden).to(dtype=dtype, device=DEVICE)
+    slots = torch.randint(0, 50, (37,), device=DEVICE)  # repeats allowed: tails of one prefix share slots
+    assert torch.equal(kernels.gather_tail_hiddens(store, slots), kernels.naive_gather_tail_hiddens(store, slots))
+
+
+@triton_runs_here
+def test_triton_gather_tail_hiddens_casts_into_out():
+    store = torch.randn(20, 96).to(dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.tensor([3, 3, 19, 0], device=DEVICE)
+    out = torch.empty(4, 96, device=DEVICE)
+    assert kernels.gather_tail_hiddens(store, slots, out) is out
+    assert torch.equal(out, store[slots].float())
+
+
+@needs_cuda
+def test_triton_gather_tail_hiddens_from_pinned_host_store():
+    store = torch.randn(64, 2560).to(torch.bfloat16).pin_memory()
+    slots = torch.randint(0, 64, (100,), device="cuda")
+    out = kernels.gather_tail_hiddens(store, slots)
+    assert out.is_cuda and torch.equal(out.cpu(), store[slots.cpu()])
+
+
+@triton_runs_here
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("lengths", [[1], [2, 3, 1], [17, 2, 40, 70]], ids=["T1", "all-shorter-than-width", "varlen4"])
+def test_triton_replay_causal_conv1d_matches_reference(lengths, with_bias):
+    dim, width = 40, 4  # dim not a multiple of the block
+    x, weight = torch.randn(sum(lengths), dim), torch.randn(dim, width)
+    bias = torch.randn(dim) if with_bias else None
+    cu, slots = _tails(lengths, DEVICE)
+    # dim-contiguous pool, as SGLang may lay it out: the kernel takes strides
+    states = _nan_pool(width - 1, dim, device=DEVICE).transpose(1, 2)
+    y = kernels.replay_causal_conv1d(x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                                     cu, slots, states)
+    ref_y, ref_states = kernels.naive_replay_causal_conv1d(*_f64(x, weight), None if bias is None else bias.double(),
+                                                           cu.cpu())
+    assert rel_err(y.cpu(), ref_y) < TOL
+    assert torch.equal(states[slots].cpu().double(), ref_states)  # a copy of the inputs, zeros before the tail
+    _assert_only_slots_written(states, slots)
+
+
+def _gdn_inputs(lengths, H, HV, K, V):
+    T = sum(lengths)
+    return (torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, HV, V), *_gates(T, HV))
+
+
+@triton_runs_here
+@pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES)
+def test_triton_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT):
+    inputs = _gdn_inputs(lengths, H, HV, K, V)
+    cu, slots = _tails(lengths, DEVICE)
+    pool, pool_state_only = _nan_pool(HV, V, K, device=DEVICE), _nan_pool(HV, V, K, device=DEVICE)
+    args = [x.to(DEVICE) for x in inputs] + [cu, slots]
+    o = kernels.gdn_replay_fwd(*args, pool, chunk_size=BT)
+    assert kernels.gdn_replay_fwd(*args, pool_state_only, state_only=True, chunk_size=BT) is None
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu())
+    assert o.shape == inputs[2].shape and rel_err(o.cpu(), ref_o) < TOL
+    assert rel_err(pool[slots].cpu(), ref_states) < TOL
+    assert rel_err(pool_state_only[slots].cpu(), ref_states) < TOL
+    _assert_only_slots_written(pool, slots)
+    _assert_only_slots_written(pool_state_only, slots)
+
+
+@needs_cuda
+@pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES[2:])
+def test_triton_gdn_replay_bfloat16(lengths, H, HV, K, V, BT):
+    inputs = [x.to(torch.bfloat16) for x in _gdn_inputs(lengths, H, HV, K, V)]
+    cu, slots = _tails(lengths, DEVICE)
+    pool = _nan_pool(HV, V, K, device=DEVICE)
+    o = kernels.gdn_replay_fwd(*[x.to(DEVICE) for x in inputs], cu, slots, pool, chunk_size=BT)
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu())
+    assert o.dtype == torch.bfloat16 and rel_err(o.cpu(), ref_o) < BF16_TOL
+    assert rel_err(pool[slots].cpu(), ref_states) < BF16_TOL
+
+
+def _layer_inputs(lengths, H, HV, K, V, width=4):
+    T, conv_dim = sum(lengths), 2 * H * K + HV * V
+    mixed_qkv = torch.randn(T, conv_dim)
+    conv_weight, conv_bias = torch.randn(conv_dim, width) * 0.5, torch.randn(conv_dim) * 0.1
+    a, b, A_log, dt_bias = _gates(T, HV)
+    return mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias
+
+
+def _check_layer_replay(replay, lengths, H, HV, K, V, state_only, device, dtype=torch.float32, tol=TOL):
+    """replay(...) vs naive_replay_gdn_layer: outputs, and both pools written at the tails' slots only."""
+    inputs = [x.to(dtype) for x in _layer_inputs(lengths, H, HV, K, V)]
+    cu, slots = _tails(lengths, device)
+    conv_states = _nan_pool(inputs[0].shape[1], inputs[3].shape[1] - 1, device=device, dtype=dtype)
+    ssm_states = _nan_pool(HV, V, K, device=device)
+    o = replay(*[x.to(device) for x in inputs], cu, slots, conv_states, ssm_states, state_only=state_only)
+    ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*_f64(*inputs), cu.cpu(), HV, V, K)
+    assert o is None if state_only else rel_err(o.cpu(), ref_o) < tol
+    assert torch.equal(conv_states[slots].cpu().double(), ref_conv)
+    assert rel_err(ssm_states[slots].cpu(), ref_ssm) < tol
+    _assert_only_slots_written(conv_states, slots)
+    _assert_only_slots_written(ssm_states, slots)
+
+
+@triton_runs_here
+@pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
+@pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES)
+def test_triton_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
+    _check_layer_replay(kernels.replay_gdn_layer_triton, lengths, H, HV, K, V, state_only, DEVICE)
+
+
+@needs_cuda
+@pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
+def test_triton_replay_gdn_layer_bfloat16_through_dispatch(state_only):
+    _check_layer_replay(kernels.replay_gdn_layer, [3, 70, 1], 2, 4, 32, 32, state_only, "cuda",
+                        dtype=torch.bfloat16, tol=BF16_TOL)
+
+
+# ---- torch CPU path ----
+
+@pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
+@pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES)
+def test_torch_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT, state_only):
+    inputs = _gdn_inputs(lengths, H, HV, K, V)
+    cu, _ = _tails(lengths, "cpu")
+    o, states = kernels.gdn_replay_torch(*inputs, cu, state_only=state_only)
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu)
+    assert o is None if state_only else rel_err(o, ref_o) < TOL
+    assert states.dtype == torch.float32 and rel_err(states, ref_states) < TOL
+
+
+@pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
+@pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES + [pytest.param([300, 17, 64], 1, 2, 32, 48, id="varlen3-T300")])
+def test_torch_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
+    """Through the dispatcher, as the server calls it: CPU tensors take the torch path."""
+    _check_layer_replay(kernels.replay_gdn_layer, lengths, H, HV, K, V, state_only, "cpu")
