@@ -1,0 +1,91 @@
+"""Which layers form Tail-Replay groups, and what the hidden store keeps per token.
+
+A hybrid model is a stack of groups: group 0 is the linear-attention (GDN) layers before the first full-attention
+(FA) layer, fed by the token embeddings; every later group is the GDN layers following one FA layer. For each group
+after group 0 the store keeps, per token, the residual-stream value entering the group's first GDN layer (the FA
+layer's output hidden); replaying a group needs nothing else.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+LINEAR, FULL = "linear_attention", "full_attention"
+SUPPORTED = "Qwen3.5 (dense and MoE) and Qwen3-Next: models whose config lists linear_attention layers"
+
+
+@dataclass(frozen=True)
+class Group:
+    index: int
+    gdn_layers: tuple[int, ...]  # consecutive GDN layer ids; the last one is replayed state-only
+
+    @property
+    def first_layer(self) -> int:
+        return self.gdn_layers[0]
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    layer_types: tuple[str, ...]
+    hidden_size: int
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """Runs of GDN layers between FA layers (empty runs dropped); run i is group i."""
+        runs, current = [], []
+        for layer_id, kind in enumerate(self.layer_types):
+            if kind == FULL:
+                runs.append(tuple(current))
+                current = []
+            else:
+                current.append(layer_id)
+        runs.append(tuple(current))
+        return tuple(Group(i, run) for i, run in enumerate(runs) if run)
+
+    @property
+    def stored_groups(self) -> tuple[Group, ...]:
+        """Groups whose replay input comes from the hidden store (every group not fed by the embeddings)."""
+        first_fa = self.layer_types.index(FULL) if FULL in self.layer_types else len(self.layer_types)
+        return tuple(g for g in self.groups if g.first_layer > first_fa)
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return len(self.stored_groups) * self.hidden_size * itemsize
+
+    @classmethod
+    def from_hf_config(cls, config) -> "HybridLayout":
+        """From a transformers config (or its `text_config` for vision-language checkpoints)."""
+        text = getattr(config, "text_config", None) or config
+        return cls(_layer_types(text), text.hidden_size)
+
+    @classmethod
+    def from_model_path(cls, model_path: str) -> "HybridLayout":
+        config_file = Path(model_path) / "config.json"
+        if config_file.exists():  # local checkpoint: no transformers import needed at flag-parsing time
+            raw = json.loads(config_file.read_text())
+            text = raw.get("text_config", raw)
+            return cls(_layer_types(_Attrs(text)), text["hidden_size"])
+        from transformers import AutoConfig
+
+        return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
+
+    def require_hybrid(self, model_path: str) -> "HybridLayout":
+        if LINEAR not in self.layer_types:
+            raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers; "
+                             f"{model_path} has none. Supported: {SUPPORTED}")
+        return self
+
+
+class _Attrs:
+    def __init__(self, d: dict):
+        self.__dict__.update(d)
+
+
+def _layer_types(text_config) -> tuple[str, ...]:
+    types = getattr(text_config, "layer_types", None)
+    if types:
+        return tuple(types)
+    interval = getattr(text_config, "full_attention_interval", None)
+    n = getattr(text_config, "num_hidden_layers", 0)
+    if interval:
+        return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+    return (FULL,) * n

@@ -1,0 +1,98 @@
+"""SGLang plugin entry point (`sglang.srt.plugins`: `tailreplay`): the Tail-Replay server flags.
+
+`python -m sglang.launch_server` loads plugins before it parses argv, so the hooks below add our flags to SGLang's
+own parser and turn them into a validated `TailReplayConfig` when SGLang builds its `ServerArgs`. Without
+`--enable-tail-replay` nothing else changes: the server is stock SGLang.
+"""
+
+import argparse
+import logging
+import sys
+
+from tailreplay_sglang.config import HIDDEN_DTYPES, MODES, TailReplayConfig, TailReplayConfigError
+from tailreplay_sglang.layout import HybridLayout
+
+logger = logging.getLogger(__name__)
+
+RADIX_CACHE_BACKEND = "tail_replay"
+_OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
+                 "tail_replay_hidden_dtype", "tail_replay_mode")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Tail-Replay (tailreplay-sglang)")
+    group.add_argument("--enable-tail-replay", action="store_true",
+                       help="token-level prefix reuse for hybrid GDN models: cache FA KV and group input hiddens, "
+                            "rebuild GDN states on a hit by replaying a tail of the matched prefix")
+    group.add_argument("--tail-replay-ratio", type=float, default=None,
+                       help="fraction r of a matched prefix to replay, in (0, 1] (default 0.05)")
+    group.add_argument("--tail-replay-min-tokens", type=int, default=None, help="replay at least N tokens (default 64)")
+    group.add_argument("--tail-replay-max-tokens", type=int, default=None, help="replay at most N tokens (no cap)")
+    group.add_argument("--tail-replay-hidden-dtype", choices=HIDDEN_DTYPES, default=None,
+                       help="dtype of the stored group hiddens (default bfloat16)")
+    group.add_argument("--tail-replay-mode", choices=MODES, default=None,
+                       help="ratio (default); full: replay the whole prefix (exact); zero: reuse FA KV with zero "
+                            "GDN states (the paper's baseline)")
+
+
+def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
+    """Validate our flags against each other and against the rest of the server's flags."""
+    given = {d: getattr(args, d) for d in _OPTION_DESTS if getattr(args, d, None) is not None}
+    if not getattr(args, "enable_tail_replay", False):
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise TailReplayConfigError(f"{flag} requires --enable-tail-replay")
+        return TailReplayConfig()
+    cfg = TailReplayConfig(enabled=True, **{d.removeprefix("tail_replay_"): v for d, v in given.items()})
+    _check_combination(args)
+    try:
+        HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
+    except ValueError as e:
+        raise TailReplayConfigError(str(e)) from None
+    # TODO(issue 3): the radix-cache backend, hidden capture and replay pass are not wired in yet; refuse rather
+    # than serve stock SGLang under a flag that promises token-level reuse.
+    raise TailReplayConfigError("--enable-tail-replay: the flags are validated, but serving with Tail-Replay is "
+                                "not implemented in this version yet")
+
+
+def _check_combination(args: argparse.Namespace) -> None:
+    refused = {
+        "disable_radix_cache": "--disable-radix-cache",
+        "enable_hierarchical_cache": "--enable-hierarchical-cache",
+        "speculative_algorithm": "--speculative-algorithm",
+    }
+    for dest, flag in refused.items():
+        if getattr(args, dest, None):
+            raise TailReplayConfigError(f"--enable-tail-replay does not support {flag} yet")
+    backend = getattr(args, "radix_cache_backend", None)
+    if backend not in (None, RADIX_CACHE_BACKEND):
+        raise TailReplayConfigError(f"--enable-tail-replay selects its own radix cache; drop --radix-cache-backend "
+                                    f"{backend}")
+    for dest in ("tp_size", "dp_size", "pp_size"):
+        if (getattr(args, dest, None) or 1) > 1:
+            raise TailReplayConfigError(f"--enable-tail-replay supports --{dest.replace('_', '-')} 1 only for now")
+
+
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    add_cli_args(parser)
+    return result
+
+
+def _around_from_cli_args(original, cls, args, *rest, **kwargs):
+    try:
+        cfg = config_from_args(args)
+    except TailReplayConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    cfg.to_env()  # scheduler processes are spawned with this environment
+    if cfg.enabled:
+        logger.info("Tail-Replay enabled: %s", cfg)
+    return original(cls, args, *rest, **kwargs)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args,
+                          HookType.AROUND)

@@ -1,0 +1,44 @@
+"""Tail-Replay flags on the stock entry point: registered by the installed plugin, refused at start-up with a
+message naming the flag (the launcher exits before any model is loaded)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def launch(*args, timeout=180):
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_flags_appear_in_stock_help():
+    out = launch("--help")
+    assert out.returncode == 0
+    for flag in ("--enable-tail-replay", "--tail-replay-ratio", "--tail-replay-min-tokens", "--tail-replay-max-tokens",
+                 "--tail-replay-hidden-dtype", "--tail-replay-mode"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--enable-tail-replay", "--tail-replay-ratio", "2"], "--tail-replay-ratio must be in (0, 1]"),
+    (["--tail-replay-ratio", "0.1"], "--tail-replay-ratio requires --enable-tail-replay"),
+    (["--enable-tail-replay", "--tail-replay-min-tokens", "100", "--tail-replay-max-tokens", "10"],
+     "--tail-replay-min-tokens (100) must not exceed --tail-replay-max-tokens (10)"),
+    (["--enable-tail-replay", "--disable-radix-cache"], "does not support --disable-radix-cache"),
+], ids=["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache"])
+def test_invalid_flags_fail_at_start_up_naming_the_flag(tiny_qwen35, args, message):
+    out = launch("--model-path", str(tiny_qwen35), *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_model_without_linear_attention_is_refused_with_what_is_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8}))
+    out = launch("--model-path", str(tmp_path), "--enable-tail-replay")
+    assert out.returncode == 2
+    assert "linear-attention" in out.stderr and "Supported: Qwen3.5" in out.stderr
