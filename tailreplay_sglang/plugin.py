@@ -49,10 +49,7 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
         HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
     except ValueError as e:
         raise TailReplayConfigError(str(e)) from None
-    # TODO(issue 3): the radix-cache backend, hidden capture and replay pass are not wired in yet; refuse rather
-    # than serve stock SGLang under a flag that promises token-level reuse.
-    raise TailReplayConfigError("--enable-tail-replay: the flags are validated, but serving with Tail-Replay is "
-                                "not implemented in this version yet")
+    return cfg
 
 
 def _check_combination(args: argparse.Namespace) -> None:
@@ -86,6 +83,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
         raise SystemExit(2) from None
     cfg.to_env()  # scheduler processes are spawned with this environment
     if cfg.enabled:
+        args.radix_cache_backend = RADIX_CACHE_BACKEND
         logger.info("Tail-Replay enabled: %s", cfg)
     return original(cls, args, *rest, **kwargs)
 
@@ -96,3 +94,8 @@ def register() -> None:
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args,
                           HookType.AROUND)
+    config = TailReplayConfig.from_env()
+    if config.enabled:  # in SGLang's scheduler process, spawned after the launcher validated the flags
+        from tailreplay_sglang import integration
+
+        integration.register(config)

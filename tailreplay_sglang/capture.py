@@ -1,0 +1,36 @@
+"""Writes replay inputs into the hidden store during every forward (prefill, chunked prefill, decode).
+
+Forward pre-hooks on GDN layers' `linear_attn` modules: SGLang calls `linear_attn(hidden_states, forward_batch)`
+right after the layer's fused add + RMSNorm, when `forward_batch.residual_stream.residual` holds the
+residual-stream value entering the layer, for the tokens at `forward_batch.out_cache_loc`.
+"""
+
+from functools import partial
+
+from tailreplay_sglang.hidden_store import HiddenStore
+
+
+def _capture_tokens(store: HiddenStore, module, args):
+    forward_batch = args[1]
+    if forward_batch.out_cache_loc is not None and forward_batch.input_ids is not None:
+        n = forward_batch.out_cache_loc.shape[0]
+        store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
+
+
+def _capture_group_input(store: HiddenStore, first_layer: int, module, args):
+    forward_batch = args[1]
+    stream = getattr(forward_batch, "residual_stream", None)
+    if stream is None or stream.residual is None or forward_batch.out_cache_loc is None:
+        return
+    n = forward_batch.out_cache_loc.shape[0]
+    store.write_hidden(first_layer, forward_batch.out_cache_loc, stream.residual[:n])
+
+
+def install(layers, store: HiddenStore) -> list:
+    """Register the hooks on the model's decoder layers; returns the handles."""
+    groups = store.layout.groups
+    handles = [layers[groups[0].first_layer].linear_attn.register_forward_pre_hook(partial(_capture_tokens, store))]
+    for group in store.layout.stored_groups:
+        hook = partial(_capture_group_input, store, group.first_layer)
+        handles.append(layers[group.first_layer].linear_attn.register_forward_pre_hook(hook))
+    return handles

@@ -1,0 +1,86 @@
+"""Where Tail-Replay plugs into SGLang's scheduler process (registered by `plugin.register` when enabled).
+
+Lifecycle of a hit:
+1. the radix cache matches any token boundary and marks the request (`cache.py`);
+2. `ScheduleBatch.prepare_for_extend` (after): marked requests, now with a request-pool row and their final
+   prefix length, become pending replays;
+3. `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` (after SGLang cleared the new slots): the pending
+   replays of the batch run as one varlen pass (`replay.py`), then the extend continues from the prefix;
+4. during every forward the capture hooks keep the hidden store current (`capture.py`).
+The hidden store is sized with the KV pool and charged to its per-token cell size, so fewer tokens fit.
+"""
+
+import logging
+
+import torch
+
+from tailreplay_sglang import capture, replay
+from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
+from tailreplay_sglang.layout import HybridLayout
+
+logger = logging.getLogger(__name__)
+
+
+class _State:
+    config = TailReplayConfig()
+    store: HiddenStore | None = None
+    pending = replay.PendingReplays()
+
+
+def _hidden_dtype() -> torch.dtype:
+    return getattr(torch, _State.config.hidden_dtype)
+
+
+def add_store_to_cell_size(original, configurator, kvc, num_layers):
+    cell = original(configurator, kvc, num_layers)
+    extra = bytes_per_token(HybridLayout.from_hf_config(kvc.model_config.hf_config), _hidden_dtype())
+    logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
+    return cell + extra
+
+
+def create_store(result, runner, *args, **kwargs):
+    if getattr(runner, "is_draft_worker", False):
+        return result
+    layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
+    num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
+    _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device)
+    capture.install(runner.model.model.layers, _State.store)
+    return result
+
+
+def mark_pending(result, batch, *args, **kwargs):
+    for req in batch.reqs:
+        matched = getattr(req, REPLAY_ATTR, None)
+        if matched is None:
+            continue
+        setattr(req, REPLAY_ATTR, None)
+        if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
+            _State.pending.add(int(req.kv.req_pool_idx), req.prefix_len)
+    return result
+
+
+def replay_after_clear(result, runner, forward_batch, *args, **kwargs):
+    if _State.store is not None and forward_batch.forward_mode.is_extend():
+        replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config)
+    return result
+
+
+def register(config: TailReplayConfig) -> None:
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from tailreplay_sglang.plugin import RADIX_CACHE_BACKEND
+
+    _State.config = config
+    register_radix_cache_backend(RADIX_CACHE_BACKEND, create_tail_replay_cache)
+    runner = "sglang.srt.model_executor.model_runner.ModelRunner"
+    HookRegistry.register(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        add_store_to_cell_size, HookType.AROUND)
+    HookRegistry.register(f"{runner}.alloc_memory_pool", create_store, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", mark_pending,
+                          HookType.AFTER)
+    HookRegistry.register(f"{runner}._maybe_execute_deferred_mamba_cow_and_clear", replay_after_clear,
+                          HookType.AFTER)

@@ -1,0 +1,123 @@
+"""The replay pass: rebuild hit requests' GDN states from a tail of their matched prefix, before their extend.
+
+On a hit of m tokens a request gets a cleared mamba slot and k = config.tail_len(m) tokens to replay. Every group
+replays independently from a zero state over tokens [m - k, m): group 0 from the embeddings of those tokens, later
+groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN with its
+states written into the request's slot; the group's last GDN layer stops there (its norm, output projection and
+FFN feed nothing the next group uses). All hit requests of a prefill batch replay together as one varlen batch.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.cpu import conv, gdn
+from tailreplay_sglang.hidden_store import HiddenStore
+
+logger = logging.getLogger(__name__)
+
+
+class PendingReplays:
+    """Matched prefix lengths of hit requests, keyed by request-pool row, from prepare_for_extend to the forward."""
+
+    def __init__(self):
+        self._by_row: dict[int, int] = {}
+
+    def add(self, req_pool_idx: int, matched: int) -> None:
+        self._by_row[req_pool_idx] = matched
+
+    def take(self, req_pool_indices: list[int], prefix_lens: list[int]) -> list[tuple[int, int]]:
+        """(batch row, matched length) of rows whose pending match is the prefix they extend from."""
+        rows = []
+        for row, (pool_idx, prefix) in enumerate(zip(req_pool_indices, prefix_lens)):
+            matched = self._by_row.pop(pool_idx, None)
+            if matched is not None and matched == prefix and prefix > 0:
+                rows.append((row, matched))
+        return rows
+
+    def discard(self, req_pool_idx: int) -> None:
+        self._by_row.pop(req_pool_idx, None)
+
+
+@dataclass
+class ReplayBatch:
+    """One packed varlen replay: tails of all hit requests in a prefill batch."""
+
+    kv_slots: torch.Tensor  # [sum k] KV slot of every replayed token
+    cu_seqlens: torch.Tensor  # [n + 1]
+    mamba_slots: torch.Tensor  # [n] each request's (cleared) mamba slot
+    tail_lens: list[int]
+
+
+def plan(runner, forward_batch, rows: list[tuple[int, int]], config: TailReplayConfig) -> ReplayBatch | None:
+    pool = runner.req_to_token_pool
+    req_pool_indices = forward_batch.req_pool_indices
+    spans, mamba_rows, lens = [], [], []
+    for row, matched in rows:
+        k = config.tail_len(matched)
+        if k == 0:
+            continue
+        pool_idx = req_pool_indices[row]
+        spans.append(pool.req_to_token[pool_idx, matched - k:matched].long())
+        mamba_rows.append(pool_idx)
+        lens.append(k)
+    if not spans:
+        return None
+    mamba_slots = pool.get_mamba_indices(torch.stack(mamba_rows)).long()
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    return ReplayBatch(torch.cat(spans), cu.to(mamba_slots.device), mamba_slots, lens)
+
+
+@torch.no_grad()
+def run(runner, store: HiddenStore, batch: ReplayBatch) -> None:
+    model, pool = runner.model.model, runner.req_to_token_pool
+    embeddings = model.embed_tokens(store.read_tokens(batch.kv_slots))
+    for group in store.layout.groups:
+        x = (store.read_hidden(group.first_layer, batch.kv_slots).to(embeddings.dtype)
+             if store.is_stored(group.first_layer) else embeddings)
+        for i, layer_id in enumerate(group.gdn_layers):
+            last = i == len(group.gdn_layers) - 1
+            x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
+
+
+def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
+    """One GDN decoder layer over the packed tails; states land in the requests' slots. Returns the next
+    residual-stream value, or None when only the state was needed."""
+    la = layer.linear_attn
+    h = layer.input_layernorm(x)
+    qkvz, ba = la._forward_input_proj(h)
+    q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)
+    T = h.shape[0]
+    mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+    no_initial_state = torch.zeros(len(batch.tail_lens), dtype=torch.bool)
+    mixed = conv.causal_conv1d_fwd(mixed.transpose(0, 1), la.attn.conv_weights, la.attn.bias, cache.conv[0],
+                                   batch.cu_seqlens, batch.mamba_slots, no_initial_state,
+                                   la.attn.activation).transpose(0, 1)
+    q, k, v = mixed.split([la.attn.q_dim, la.attn.k_dim, la.attn.v_dim], dim=-1)
+    g, beta = gdn.gdn_gating(la.A_log, a.reshape(T, -1), b.reshape(T, -1), la.dt_bias)
+    H, HV = la.attn.num_k_heads, la.attn.num_v_heads
+    cache.temporal[batch.mamba_slots] = 0  # replay starts from a zero state whatever the slot held
+    core, _ = gdn.chunk_gated_delta_rule(
+        q.reshape(1, T, H, -1), k.reshape(1, T, H, -1), v.reshape(1, T, HV, -1), g, beta, cache.temporal,
+        batch.cu_seqlens, batch.mamba_slots, use_qk_l2norm_in_kernel=True)
+    if state_only:
+        return None
+    dv = la.head_v_dim
+    out = la.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, -1)
+    x = x + la.out_proj(out)[0]
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingReplays, config: TailReplayConfig):
+    rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
+    batch = plan(runner, forward_batch, rows, config) if rows else None
+    if batch is None:
+        return
+    start = time.perf_counter()
+    run(runner, store, batch)
+    logger.info("Tail-Replay: %d request(s), %d token(s) replayed in %.1f ms", len(batch.tail_lens),
+                sum(batch.tail_lens), (time.perf_counter() - start) * 1e3)

@@ -1,0 +1,131 @@
+"""Tail-Replay inside the real SGLang server: token-level reuse, and exactness at ratio 1 against no cache.
+
+With `--tail-replay-ratio 1` the replay rebuilds every GDN state from the stored group inputs over the whole
+matched prefix, so a hit must reproduce the no-cache computation (HF transformers on the same weights) greedily,
+and its prompt logprobs within float32 tolerance. That pins capture, layout, replay and the hand-off to the extend.
+"""
+
+import concurrent.futures
+
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from conftest import start_server
+from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_logprobs
+
+pytestmark = pytest.mark.server
+
+NEW = 12
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-ratio", "1", "--tail-replay-hidden-dtype", "float32")
+SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
+          "while a young engineer repaired a broken window in the library because the mayor ordered it")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen35, tmp_path_factory):
+    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen35):
+    return load_hf_model(tiny_qwen35), AutoTokenizer.from_pretrained(tiny_qwen35)
+
+
+def generate(server, ids, max_new_tokens=NEW, **extra):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                   "ignore_eos": True}, **extra}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def flush(server):
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+
+
+def test_identical_resend_hits_all_but_the_last_token_and_matches_no_cache(server, hf):
+    model, tok = hf
+    flush(server)
+    ids = tok(SYSTEM + " what happened first?").input_ids
+    first = generate(server, ids)
+    again = generate(server, ids)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] == len(ids) - 1  # SGLang's own cap: input_len - 1
+    assert first["output_ids"] == again["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_shared_system_prompt_hits_the_common_prefix(server, hf):
+    model, tok = hf
+    flush(server)
+    system = tok(SYSTEM).input_ids
+    generate(server, system + tok(" who repaired the window?").input_ids, max_new_tokens=2)
+    for question in (" why did the sailor leave", " when", " tell me about the boxes and the harbour please"):
+        ids = system + tok(question).input_ids
+        out = generate(server, ids)
+        assert out["meta_info"]["cached_tokens"] >= len(system)
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+@pytest.mark.parametrize("cut", [1, 7, 23])
+def test_fork_mid_prefix_and_edit_in_the_middle(server, hf, cut):
+    model, tok = hf
+    flush(server)
+    base = tok(SYSTEM).input_ids
+    generate(server, base, max_new_tokens=1)
+    forked = base[:cut] + tok(" but a different story begins").input_ids
+    edited = base[:cut] + [(base[cut] + 1) % 500] + base[cut + 1:]
+    for ids in (forked, edited):
+        out = generate(server, ids)
+        assert out["meta_info"]["cached_tokens"] == cut
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_multi_turn_follow_up_matches_through_the_previous_answer(server, hf):
+    """Decode-time capture: the second turn's prompt contains turn one's generated tokens."""
+    model, tok = hf
+    flush(server)
+    turn1 = tok(SYSTEM + " first question?").input_ids
+    answer = generate(server, turn1)["output_ids"]
+    turn2 = turn1 + answer + tok(" and a follow-up question?").input_ids
+    out = generate(server, turn2)
+    # the last generated token has no KV yet when the request finishes
+    assert out["meta_info"]["cached_tokens"] >= len(turn1) + len(answer) - 1
+    assert out["output_ids"] == greedy_generate(model, turn2, NEW)
+
+
+def test_prompt_logprobs_on_a_hit_match_no_cache(server, hf):
+    model, tok = hf
+    flush(server)
+    ids = tok(SYSTEM + " and then the story ends").input_ids
+    start = len(ids) - 6
+    generate(server, ids[:start], max_new_tokens=1)
+    out = generate(server, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=start)
+    assert out["meta_info"]["cached_tokens"] == start  # logprobs from `start` on need only the uncached tail
+    served = {pos: lp for pos, (lp, _, _) in enumerate(out["meta_info"]["input_token_logprobs"], start)
+              if lp is not None}
+    reference = prompt_logprobs(model, ids)  # reference[i] = log p(ids[i + 1] | ids[:i + 1])
+    assert len(served) >= 5
+    assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
+
+
+def test_concurrent_hits_on_one_prefix_are_independent(server, hf):
+    model, tok = hf
+    flush(server)
+    system = tok(SYSTEM).input_ids
+    generate(server, system, max_new_tokens=1)
+    prompts = [system + tok(q).input_ids for q in (" one", " two two", " three three three", " four")]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: generate(server, p), prompts))
+    for ids, out in zip(prompts, outs):
+        assert out["meta_info"]["cached_tokens"] >= len(system)
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_server_keeps_serving_after_flush_and_many_hits(server, hf):
+    _, tok = hf
+    ids = tok(SYSTEM).input_ids
+    for i in range(6):
+        generate(server, ids[: 10 + 5 * i] + [i + 3], max_new_tokens=2)
+    flush(server)
+    assert generate(server, ids, max_new_tokens=2)["meta_info"]["cached_tokens"] == 0
