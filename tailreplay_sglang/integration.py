@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from tailreplay_sglang import capture, replay
+from tailreplay_sglang import capture, replay, visibility
 from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
@@ -27,6 +27,7 @@ class _State:
     config = TailReplayConfig()
     store: HiddenStore | None = None
     pending = replay.PendingReplays()
+    metrics: visibility.ReplayMetrics | None = None
 
 
 def _hidden_dtype() -> torch.dtype:
@@ -47,6 +48,10 @@ def create_store(result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device)
     capture.install(runner.model.model.layers, _State.store)
+    from sglang.srt.runtime_context import get_observability
+
+    if get_observability().enable_metrics:
+        _State.metrics = visibility.ReplayMetrics()
     return result
 
 
@@ -57,13 +62,13 @@ def mark_pending(result, batch, *args, **kwargs):
             continue
         setattr(req, REPLAY_ATTR, None)
         if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
-            _State.pending.add(int(req.kv.req_pool_idx), req.prefix_len)
+            _State.pending.add(int(req.kv.req_pool_idx), req.prefix_len, req)
     return result
 
 
 def replay_after_clear(result, runner, forward_batch, *args, **kwargs):
     if _State.store is not None and forward_batch.forward_mode.is_extend():
-        replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config)
+        replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config, _State.metrics)
     return result
 
 
@@ -84,3 +89,16 @@ def register(config: TailReplayConfig) -> None:
                           HookType.AFTER)
     HookRegistry.register(f"{runner}._maybe_execute_deferred_mamba_cow_and_clear", replay_after_clear,
                           HookType.AFTER)
+    _register_meta_info(HookRegistry, HookType)
+
+
+def _register_meta_info(HookRegistry, HookType) -> None:
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    # A ClassVar opt-in of SGLang's customized-info extension point (no hook can set a class constant).
+    SchedulerOutputStreamer.has_additional_customized_info = True
+    streamer = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+    HookRegistry.register(f"{streamer}.build_additional_customized_info", visibility.build_customized_info,
+                          HookType.REPLACE)
+    HookRegistry.register(f"{streamer}.is_request_level_customized_info_key", visibility.is_request_level_key,
+                          HookType.REPLACE)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.cpu import conv, gdn
 from tailreplay_sglang.hidden_store import HiddenStore
@@ -21,25 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 class PendingReplays:
-    """Matched prefix lengths of hit requests, keyed by request-pool row, from prepare_for_extend to the forward."""
+    """Hit requests between prepare_for_extend and their forward, keyed by request-pool row."""
 
     def __init__(self):
-        self._by_row: dict[int, int] = {}
+        self._by_row: dict[int, tuple[int, object]] = {}
 
-    def add(self, req_pool_idx: int, matched: int) -> None:
-        self._by_row[req_pool_idx] = matched
+    def add(self, req_pool_idx: int, matched: int, req) -> None:
+        self._by_row[req_pool_idx] = (matched, req)
 
-    def take(self, req_pool_indices: list[int], prefix_lens: list[int]) -> list[tuple[int, int]]:
-        """(batch row, matched length) of rows whose pending match is the prefix they extend from."""
+    def take(self, req_pool_indices: list[int], prefix_lens: list[int]) -> list[tuple[int, int, object]]:
+        """(batch row, matched length, req) of rows whose pending match is the prefix they extend from."""
         rows = []
         for row, (pool_idx, prefix) in enumerate(zip(req_pool_indices, prefix_lens)):
-            matched = self._by_row.pop(pool_idx, None)
+            matched, req = self._by_row.pop(pool_idx, (None, None))
             if matched is not None and matched == prefix and prefix > 0:
-                rows.append((row, matched))
+                rows.append((row, matched, req))
         return rows
-
-    def discard(self, req_pool_idx: int) -> None:
-        self._by_row.pop(req_pool_idx, None)
 
 
 @dataclass
@@ -50,13 +48,14 @@ class ReplayBatch:
     cu_seqlens: torch.Tensor  # [n + 1]
     mamba_slots: torch.Tensor  # [n] each request's (cleared) mamba slot
     tail_lens: list[int]
+    reqs: list
 
 
-def plan(runner, forward_batch, rows: list[tuple[int, int]], config: TailReplayConfig) -> ReplayBatch | None:
+def plan(runner, forward_batch, rows: list[tuple[int, int, object]], config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
     req_pool_indices = forward_batch.req_pool_indices
-    spans, mamba_rows, lens = [], [], []
-    for row, matched in rows:
+    spans, mamba_rows, lens, reqs = [], [], [], []
+    for row, matched, req in rows:
         k = config.tail_len(matched)
         if k == 0:
             continue
@@ -64,12 +63,13 @@ def plan(runner, forward_batch, rows: list[tuple[int, int]], config: TailReplayC
         spans.append(pool.req_to_token[pool_idx, matched - k:matched].long())
         mamba_rows.append(pool_idx)
         lens.append(k)
+        reqs.append(req)
     if not spans:
         return None
     mamba_slots = pool.get_mamba_indices(torch.stack(mamba_rows)).long()
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
-    return ReplayBatch(torch.cat(spans), cu.to(mamba_slots.device), mamba_slots, lens)
+    return ReplayBatch(torch.cat(spans), cu.to(mamba_slots.device), mamba_slots, lens, reqs)
 
 
 @torch.no_grad()
@@ -112,12 +112,18 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingReplays, config: TailReplayConfig):
+def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingReplays, config: TailReplayConfig,
+                metrics=None) -> None:
     rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
     batch = plan(runner, forward_batch, rows, config) if rows else None
     if batch is None:
         return
     start = time.perf_counter()
     run(runner, store, batch)
+    seconds = time.perf_counter() - start
+    for req, k in zip(batch.reqs, batch.tail_lens):
+        visibility.record(req, k, seconds * 1e3)
+    if metrics is not None:
+        metrics.observe(len(batch.reqs), sum(batch.tail_lens), seconds)
     logger.info("Tail-Replay: %d request(s), %d token(s) replayed in %.1f ms", len(batch.tail_lens),
-                sum(batch.tail_lens), (time.perf_counter() - start) * 1e3)
+                sum(batch.tail_lens), seconds * 1e3)

@@ -17,7 +17,8 @@ from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_l
 pytestmark = pytest.mark.server
 
 NEW = 12
-EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-ratio", "1", "--tail-replay-hidden-dtype", "float32")
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-ratio", "1", "--tail-replay-hidden-dtype", "float32",
+               "--enable-metrics")
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 
@@ -129,3 +130,39 @@ def test_server_keeps_serving_after_flush_and_many_hits(server, hf):
         generate(server, ids[: 10 + 5 * i] + [i + 3], max_new_tokens=2)
     flush(server)
     assert generate(server, ids, max_new_tokens=2)["meta_info"]["cached_tokens"] == 0
+
+
+def test_meta_info_and_metrics_report_the_replay(server, hf):
+    _, tok = hf
+    flush(server)
+    ids = tok(SYSTEM + " visibility").input_ids
+    miss, hit = generate(server, ids, max_new_tokens=2), generate(server, ids, max_new_tokens=2)
+    assert miss["meta_info"]["tail_replay_tokens"] == 0
+    assert hit["meta_info"]["tail_replay_tokens"] == hit["meta_info"]["cached_tokens"] == len(ids) - 1  # ratio 1
+    assert hit["meta_info"]["tail_replay_ms"] > 0
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    replayed = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("sglang:tail_replay_tokens_total")]
+    assert replayed and replayed[0] >= len(ids) - 1
+
+
+@pytest.fixture(scope="module")
+def ratio_server(tiny_qwen35, tmp_path_factory):
+    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-ratio", "0.25",
+                            "--tail-replay-min-tokens", "8", "--tail-replay-max-tokens", "12",
+                            "--chunked-prefill-size", "32")
+
+
+def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server, hf):
+    """k = clamp(ceil(r*m), min, max); with a 32-token prefill chunk the extend after the hit spans several chunks
+    and only the first one replays (the others continue the request's live state)."""
+    _, tok = hf
+    base = tok(SYSTEM).input_ids
+    generate(ratio_server, base, max_new_tokens=1)
+    for cut, expected in ((20, 8), (40, 10), (len(base), 12)):
+        ids = base[:cut] + tok(" a long new question that needs more than one prefill chunk of thirty two tokens, "
+                               "so the extend is chunked after the hit").input_ids
+        out = generate(ratio_server, ids, max_new_tokens=3)
+        assert out["meta_info"]["cached_tokens"] == cut
+        assert out["meta_info"]["tail_replay_tokens"] == expected
+        assert len(out["output_ids"]) == 3
