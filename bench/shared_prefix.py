@@ -1,10 +1,12 @@
-"""Main job: a real SGLang server on the small hybrid model, and a shared-prefix workload against it.
+"""Main job: real SGLang servers on the small hybrid model, stock and with Tail-Replay, and a shared-prefix
+workload against each.
 
     python bench/shared_prefix.py [--preset small] [--system-words 600] [--server-args "..."] [--out runs/...]
 
 The workload is what users of hybrid models send all the time: one long system prompt with different questions,
-an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request it
-prints the prompt length, SGLang's `cached_tokens` and the time to first token, and writes them as JSON.
+an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request and
+server it prints the prompt length, SGLang's `cached_tokens`, the replayed tokens and the time to first token, and
+writes them as JSON. The two servers run one after the other on the same machine.
 """
 
 import argparse
@@ -70,6 +72,28 @@ def workload(tok, system_words: int, answer_tokens: int, send):
     send("fork mid-system-prompt", half + tok(" but instead, tell me a story").input_ids)
 
 
+CONFIGS = {"stock SGLang": (), "Tail-Replay": ("--enable-tail-replay",)}
+
+
+def run_workload(model_path: Path, tok, server_args: tuple, args, log_path: Path, console) -> list[dict]:
+    server = ServerProcess(str(model_path), server_args, log_path=log_path, max_total_tokens=16384)
+    t0 = time.perf_counter()
+    results = []
+    with server:
+        console.print(f"  server healthy after {time.perf_counter() - t0:.1f} s (log: {log_path})")
+
+        def send(name, ids):
+            r = stream_generate(server.base_url, ids, args.max_new_tokens)
+            meta = r["meta_info"]
+            results.append({"request": name, "prompt_tokens": len(ids), "cached_tokens": meta["cached_tokens"],
+                            "replayed_tokens": meta.get("tail_replay_tokens", 0), "ttft_s": r["ttft_s"],
+                            "answer": tok.decode(r["output_ids"])})
+            return r
+
+        workload(tok, args.system_words, args.max_new_tokens, send)
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
@@ -77,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--system-words", type=int, default=600, help="length of the shared document, in words")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--server-args", default="--dtype float32",
-                    help="extra flags for sglang.launch_server (float32: these CPUs have no fast bf16 matmul)")
+                    help="flags for both servers (float32: these CPUs have no fast bf16 matmul)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "shared_prefix.json"))
     args = ap.parse_args(argv)
 
@@ -86,33 +110,26 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(model_path)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(str(model_path), tuple(shlex.split(args.server_args)),
-                           log_path=out.with_suffix(".server.log"), max_total_tokens=16384)
-    console.print(f"starting SGLang on {model_path} (log: {server.log_path})")
-    t0 = time.perf_counter()
-    results = []
-    with server:
-        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s at {server.base_url}")
+    runs = {}
+    for i, (name, flags) in enumerate(CONFIGS.items()):
+        console.print(f"[bold]{name}[/bold] on {model_path}")
+        runs[name] = run_workload(model_path, tok, (*shlex.split(args.server_args), *flags), args,
+                                  out.with_suffix(f".server{i}.log"), console)
 
-        def send(name, ids):
-            r = stream_generate(server.base_url, ids, args.max_new_tokens)
-            results.append({"request": name, "prompt_tokens": len(ids),
-                            "cached_tokens": r["meta_info"]["cached_tokens"], "ttft_s": r["ttft_s"],
-                            "answer": tok.decode(r["output_ids"])})
-            console.print(f"  {name}: {len(ids)} prompt tokens, cached_tokens={r['meta_info']['cached_tokens']}")
-            return r
-
-        workload(tok, args.system_words, args.max_new_tokens, send)
-
-    table = Table(title=f"shared-prefix workload on {model_path.name} ({args.server_args or 'stock SGLang'})")
-    for col in ("request", "prompt tokens", "cached tokens", "TTFT (s)", "answer"):
-        table.add_column(col)
-    for r in results:
-        table.add_row(r["request"], str(r["prompt_tokens"]), str(r["cached_tokens"]), f"{r['ttft_s']:.2f}",
-                      repr(r["answer"][:40]))
+    table = Table(title=f"shared-prefix workload on {model_path.name} ({args.server_args})")
+    table.add_column("request")
+    table.add_column("prompt tokens", justify="right")
+    for name in runs:
+        table.add_column(f"{name}\ncached", justify="right")
+        table.add_column(f"{name}\nTTFT s", justify="right")
+    table.add_column("Tail-Replay\nreplayed", justify="right")
+    stock, tail = runs["stock SGLang"], runs["Tail-Replay"]
+    for s_row, t_row in zip(stock, tail):
+        table.add_row(s_row["request"], str(s_row["prompt_tokens"]), str(s_row["cached_tokens"]),
+                      f"{s_row['ttft_s']:.2f}", str(t_row["cached_tokens"]), f"{t_row['ttft_s']:.2f}",
+                      str(t_row["replayed_tokens"]))
     console.print(table)
-    out.write_text(json.dumps({"model": str(model_path), "server_args": args.server_args, "requests": results},
-                              indent=2))
+    out.write_text(json.dumps({"model": str(model_path), "server_args": args.server_args, "runs": runs}, indent=2))
     console.print(f"wrote {out}")
 
 

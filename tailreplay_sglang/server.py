@@ -46,6 +46,7 @@ class ServerProcess:
     max_total_tokens: int = 4096
     context_length: int | None = None
     max_running_requests: int = 8
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
     @property
@@ -63,7 +64,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env={**os.environ, **CPU_ENV}, stdout=log,
+        self.proc = subprocess.Popen(self.command(), env={**os.environ, **CPU_ENV, **self.env}, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

@@ -37,7 +37,9 @@ def tiny_qwen3next() -> Path:
 def start_server(model_path, tmp_path_factory, *extra_args, **kwargs):
     """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = ServerProcess(str(model_path), tuple(extra_args), log_path=log, **kwargs)
+    # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises, not warns
+    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+    server = ServerProcess(str(model_path), tuple(extra_args), log_path=log, env=env, **kwargs)
     try:
         yield server.start().wait_healthy()
     finally:

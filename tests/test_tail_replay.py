@@ -166,3 +166,16 @@ def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio
         assert out["meta_info"]["cached_tokens"] == cut
         assert out["meta_info"]["tail_replay_tokens"] == expected
         assert len(out["output_ids"]) == 3
+
+
+def test_qwen3next_hits_match_no_cache(tiny_qwen3next, tmp_path_factory):
+    """Qwen3-Next (MoE FFN, its own q/k/v/z layout) through the same replay path, exact at ratio 1."""
+    model = load_hf_model(tiny_qwen3next)
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3next)
+    base = tok(SYSTEM).input_ids
+    for srv in start_server(tiny_qwen3next, tmp_path_factory, *EXACT_FLAGS):
+        generate(srv, base, max_new_tokens=1)
+        for ids, cached in ((base, len(base) - 1), (base[:17] + tok(" another branch").input_ids, 17)):
+            out = generate(srv, ids)
+            assert out["meta_info"]["cached_tokens"] == cached
+            assert out["output_ids"] == greedy_generate(model, ids, NEW)

@@ -58,9 +58,8 @@ def _chunk_scan(q, k, v, g, beta, state, chunk_size: int):
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # gamma_i / gamma_j
     A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * g.exp()).unsqueeze(-1) * k], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    solved = _solve_unit_lower(A, rhs)
     U, W = solved[..., : v.shape[-1]].contiguous(), solved[..., v.shape[-1] :].contiguous()
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * g.exp().unsqueeze(-1)
@@ -73,6 +72,23 @@ def _chunk_scan(q, k, v, g, beta, state, chunk_size: int):
         o[c] = q_decayed[c] @ state.transpose(-1, -2) + attn[c] @ u
         state = state * chunk_decay[c] + u.transpose(-1, -2) @ k_to_end[c]
     return o.transpose(0, 1).reshape(HV, n * C, -1)[:, :T], state
+
+
+def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Solve (I + A) x = rhs for strictly lower-triangular A, batched: blocked forward substitution.
+
+    Used instead of torch.linalg.solve_triangular, whose batched CPU path took seconds on 2 busy cores when another
+    process competed for them (as a server and its client do); this is a few dozen batched matmuls either way.
+    """
+    x = rhs.clone()
+    C = A.shape[-1]
+    for start in range(0, C, block):
+        end = min(start + block, C)
+        if start:
+            x[..., start:end, :] -= A[..., start:end, :start] @ x[..., :start, :]
+        for i in range(start + 1, end):
+            x[..., i, :] -= (A[..., i:i + 1, start:i] @ x[..., start:i, :]).squeeze(-2)
+    return x
 
 
 def chunk_gated_delta_rule(
