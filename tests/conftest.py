@@ -18,6 +18,8 @@ def _seed():
 import os
 from pathlib import Path
 
+import requests
+
 from tailreplay_sglang.models import build_model
 from tailreplay_sglang.server import ServerProcess, _group_alive
 
@@ -45,3 +47,12 @@ def start_server(model_path, tmp_path_factory, *extra_args, **kwargs):
     finally:
         server.stop()
         assert not _group_alive(server.proc.pid), "server process group survived stop()"
+
+
+def generate(server, input_ids, max_new_tokens, **extra) -> dict:
+    """Greedy /generate of exactly max_new_tokens tokens; returns the response JSON."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                         "ignore_eos": True}, **extra}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()

@@ -6,6 +6,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from conftest import generate as shared_generate
 from conftest import start_server
 from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_logprobs
 
@@ -26,11 +27,7 @@ def hf(tiny_qwen35):
 
 
 def generate(server, input_ids, max_new_tokens=NEW_TOKENS, **extra):
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
-                                                         "ignore_eos": True}, **extra}
-    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
-    r.raise_for_status()
-    return r.json()
+    return shared_generate(server, input_ids, max_new_tokens, **extra)
 
 
 def test_fresh_prompt_matches_hf_greedy(server, hf):

@@ -11,6 +11,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from conftest import generate as shared_generate
 from conftest import start_server
 from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_logprobs
 
@@ -34,11 +35,7 @@ def hf(tiny_qwen35):
 
 
 def generate(server, ids, max_new_tokens=NEW, **extra):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
-                                                   "ignore_eos": True}, **extra}
-    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
-    r.raise_for_status()
-    return r.json()
+    return shared_generate(server, ids, max_new_tokens, **extra)
 
 
 def flush(server):
