@@ -147,7 +147,7 @@ def test_meta_info_and_metrics_report_the_replay(server, hf):
 def ratio_server(tiny_qwen35, tmp_path_factory):
     yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-ratio", "0.25",
                             "--tail-replay-min-tokens", "8", "--tail-replay-max-tokens", "12",
-                            "--chunked-prefill-size", "32")
+                            "--chunked-prefill-size", "32", max_total_tokens=768)
 
 
 def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server, hf):
@@ -163,6 +163,26 @@ def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio
         assert out["meta_info"]["cached_tokens"] == cut
         assert out["meta_info"]["tail_replay_tokens"] == expected
         assert len(out["output_ids"]) == 3
+
+
+def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_server, hf):
+    """A 768-token pool: a workload of ~2.5K distinct tokens must evict, and a client that drops a streaming
+    request must not leak; the server runs SGLang's strict idle leak check, so a lost slot would crash it."""
+    _, tok = hf
+    prompts = [tok(f"request {i}: " + SYSTEM[i:] + f" number {i}").input_ids for i in range(30)]
+    for ids in prompts:
+        generate(ratio_server, ids, max_new_tokens=2)
+    assert generate(ratio_server, prompts[0], max_new_tokens=1)["meta_info"]["cached_tokens"] < 10  # evicted (LRU)
+    body = {"input_ids": tok(SYSTEM).input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with requests.post(f"{ratio_server.base_url}/generate", json=body, stream=True, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith(b"data:"))  # first token, then hang up
+    ids = tok(SYSTEM + " after the pressure").input_ids
+    generate(ratio_server, ids, max_new_tokens=1)
+    out = generate(ratio_server, ids, max_new_tokens=2)
+    assert out["meta_info"]["cached_tokens"] == len(ids) - 1
+    assert out["meta_info"]["tail_replay_tokens"] == 12
+    assert requests.get(f"{ratio_server.base_url}/health", timeout=30).status_code == 200
 
 
 def test_qwen3next_hits_match_no_cache(tiny_qwen3next, tmp_path_factory):
