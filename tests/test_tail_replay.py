@@ -196,3 +196,32 @@ def test_qwen3next_hits_match_no_cache(tiny_qwen3next, tmp_path_factory):
             out = generate(srv, ids)
             assert out["meta_info"]["cached_tokens"] == cached
             assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def _suffix_logprob_error(server, model, ids, start) -> float:
+    generate(server, ids[:start], max_new_tokens=1)
+    out = generate(server, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=start)
+    assert out["meta_info"]["cached_tokens"] == start
+    reference = prompt_logprobs(model, ids)
+    served = [(pos, lp) for pos, (lp, _, _) in enumerate(out["meta_info"]["input_token_logprobs"], start)
+              if lp is not None]
+    return max(abs(lp - reference[pos - 1]) for pos, lp in served)
+
+
+def test_error_ordering_zero_above_ratio_above_full(server, hf, tiny_qwen35, tmp_path_factory):
+    """DESIGN invariant on a model whose GDN heads remember for tens to hundreds of tokens (the builder's gates):
+    error(zero states) > error(r = 0.1) > error(r = 1) ~ 0, on the suffix after a 560-token hit."""
+    import random
+
+    model, _ = hf
+    rng = random.Random(0)
+    ids, start = [rng.randrange(3, 500) for _ in range(600)], 560
+    errors = {}
+    for name, flags in (("zero", ("--tail-replay-mode", "zero")),
+                        ("r=0.1", ("--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1"))):
+        for srv in start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", *flags):
+            errors[name] = _suffix_logprob_error(srv, model, ids, start)
+    flush(server)
+    errors["full"] = _suffix_logprob_error(server, model, ids, start)
+    assert errors["zero"] > 2 * errors["r=0.1"] > 2 * errors["full"], errors
+    assert errors["full"] < 1e-3, errors
