@@ -4,6 +4,8 @@
   pytest started by `test_triton_kernels_under_interpreter` (Triton reads the variable when it is first imported,
   so setting it in this process would switch every later Triton user of the session to the interpreter). With CUDA
   they run natively here, in float32 and bfloat16.
+- `test_sm90_compile_*`: the kernels compiled for an H100/H200 (sm_90) without a GPU (ptxas ships with Triton), so
+  errors that only the GPU compiler raises show up on CPU too.
 - `test_torch_*`: the torch CPU path of the replay, the function the server calls on CPU.
 States land in NaN-filled pools: a kernel that read a slot instead of starting from zero, or wrote the wrong slot,
 shows up as NaN.
@@ -16,6 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Heuristics
 
 from conftest import rel_err
 from tailreplay_sglang import kernels
@@ -27,11 +33,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
 triton_runs_here = pytest.mark.skipif(
-    not (INTERPRETED or HAS_CUDA), reason="CPU: runs in the TRITON_INTERPRET=1 child of test_triton_kernels_under_interpreter"
+    not (INTERPRETED or HAS_CUDA),
+    reason="CPU: runs in the TRITON_INTERPRET=1 child of test_triton_kernels_under_interpreter",
 )
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
-# (tail lengths, key heads H, value heads HV, K, V, chunk size BT); lengths are not multiples of the chunk size
+# (tail lengths, key heads H, value heads HV, K, V, chunk size BT); most lengths are off chunk boundaries
 GDN_CASES = [
     pytest.param([1], 1, 2, 16, 16, 16, id="T1"),
     pytest.param([37], 1, 2, 32, 32, 64, id="T37-BT64"),
@@ -188,7 +195,7 @@ def _check_layer_replay(replay, lengths, H, HV, K, V, state_only, device, dtype=
 
 @triton_runs_here
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
-@pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES)
+@pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES[:1])  # the GDN kernel's own cases cover the shapes
 def test_triton_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
     _check_layer_replay(kernels.replay_gdn_layer_triton, lengths, H, HV, K, V, state_only, DEVICE)
 
@@ -198,6 +205,41 @@ def test_triton_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_o
 def test_triton_replay_gdn_layer_bfloat16_through_dispatch(state_only):
     _check_layer_replay(kernels.replay_gdn_layer, [3, 70, 1], 2, 4, 32, 32, state_only, "cuda",
                         dtype=torch.bfloat16, tol=BF16_TOL)
+
+
+# ---- GPU compilation, without a GPU ----
+
+def _compile_for_sm90(kernel, signature: str, **constexprs):
+    """triton.compile for sm_90. signature: "name:type" of each runtime argument (constexprs given as keywords)."""
+    fn = kernel.fn if isinstance(kernel, Heuristics) else kernel
+    types = {**dict(item.split(":") for item in signature.split()), **{name: "constexpr" for name in constexprs}}
+    src = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
+                    constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+not_in_interpreter = pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+
+
+@not_in_interpreter
+@pytest.mark.parametrize("dtype,state_only", [("bf16", False), ("bf16", True), ("fp32", False)])
+def test_sm90_compile_gdn_replay_kernel(dtype, state_only):
+    tensors = f"q:*{dtype} k:*{dtype} v:*{dtype} a:*{dtype} b:*{dtype} A_log:*fp32 dt_bias:*fp32"
+    output = {"o": None} if state_only else {}
+    signature = tensors + ("" if state_only else f" o:*{dtype}") + " ht:*fp32 cu_seqlens:*i32 slots:*i64 " \
+        "stride_q:i64 stride_k:i64 stride_v:i64 stride_a:i64 stride_b:i64 stride_ht:i64 scale:fp32"
+    _compile_for_sm90(kernels.gdn.gdn_replay_fwd_kernel, signature, **output, H=16, HV=32, K=128, V=128, BT=16,
+                      BK=128, BV=32, STORE_OUTPUT=not state_only, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+
+
+@not_in_interpreter
+def test_sm90_compile_conv_and_gather_kernels():
+    _compile_for_sm90(kernels.conv.replay_causal_conv1d_kernel,
+                      "x:*bf16 weight:*bf16 bias:*bf16 y:*bf16 conv_states:*bf16 cu_seqlens:*i32 slots:*i64 "
+                      "stride_x:i64 stride_w:i64 stride_y:i64 stride_s:i64 stride_s_d:i64 stride_s_w:i64 D:i32",
+                      W=4, BW=4, BT=32, BD=128, HAS_BIAS=True)
+    _compile_for_sm90(kernels.gather.gather_tail_hiddens_kernel,
+                      "store:*bf16 slots:*i64 out:*bf16 stride_store:i64 stride_out:i64 D:i32", BD=1024)
 
 
 # ---- torch CPU path ----
@@ -214,7 +256,8 @@ def test_torch_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT, state_onl
 
 
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
-@pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES + [pytest.param([300, 17, 64], 1, 2, 32, 48, id="varlen3-T300")])
+@pytest.mark.parametrize("lengths,H,HV,K,V",
+                         LAYER_CASES + [pytest.param([300, 17, 64], 1, 2, 32, 48, id="varlen3-T300")])
 def test_torch_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
     """Through the dispatcher, as the server calls it: CPU tensors take the torch path."""
     _check_layer_replay(kernels.replay_gdn_layer, lengths, H, HV, K, V, state_only, "cpu")

@@ -45,11 +45,11 @@ def replay_causal_conv1d_kernel(
     if i_c == 0:  # conv state: the last W - 1 inputs, zeros before the tail's start
         i_slot = tl.load(slots + i_n).to(tl.int64)
         o_w = tl.arange(0, BW)
-        o_src = eos - (W - 1) + o_w
+        o_last = eos - (W - 1) + o_w
         m_w = (o_w < W - 1)[:, None] & m_d[None, :]
-        b_x = tl.load(x + o_src[:, None] * stride_x + o_d[None, :], mask=m_w & (o_src >= bos)[:, None], other=0.)
+        b_last = tl.load(x + o_last[:, None] * stride_x + o_d[None, :], mask=m_w & (o_last >= bos)[:, None], other=0.)
         p_s = conv_states + i_slot * stride_s + o_d[None, :] * stride_s_d + o_w[:, None] * stride_s_w
-        tl.store(p_s, b_x.to(conv_states.dtype.element_ty), mask=m_w)
+        tl.store(p_s, b_last.to(conv_states.dtype.element_ty), mask=m_w)
 
 
 def replay_causal_conv1d(x, weight, bias, cu_seqlens, slots, conv_states, max_seqlen: int | None = None):

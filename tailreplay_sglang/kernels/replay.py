@@ -32,7 +32,8 @@ def replay_gdn_layer(
     """Replay one GDN layer from zero state over a packed batch of tails; the states land in the mamba slots.
 
     mixed_qkv: [T, 2 H K + HV V] pre-conv projections (q | k | v); a, b: [T, HV] raw gate inputs;
-    conv_weight: [conv_dim, width]; conv_bias: [conv_dim] or None; A_log, dt_bias: [HV];
+    conv_weight: [conv_dim, width]; conv_bias: [conv_dim] or None (SiLU conv, as Qwen3.5 / Qwen3-Next);
+    A_log, dt_bias: [HV];
     cu_seqlens: [N + 1] int tail boundaries; slots: [N] int mamba slot of each tail;
     conv_states: [num_slots, conv_dim, width - 1] and ssm_states: [num_slots, HV, V, K], this layer's pools:
     slot slots[i] gets tail i's conv state (last width - 1 inputs) and final recurrent state; nothing else is
@@ -74,41 +75,47 @@ def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False
         o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, None, cu_seqlens,
                                                   use_qk_l2norm_in_kernel=True)
         return o[0], final
-    HV = v.shape[1]
-    kf = cpu_gdn.l2norm(k.float()).repeat_interleave(HV // k.shape[1], dim=1).transpose(0, 1)  # [HV, T, K]
-    vf, g, beta = v.float().transpose(0, 1), g[0].T, beta[0].T
+    kf = cpu_gdn.l2norm(k.float())
     bounds = cu_seqlens.tolist()
-    finals = [_chunk_final_state(kf[:, s:e], vf[:, s:e], g[:, s:e], beta[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
+    finals = [_chunk_final_state(kf[s:e], v[s:e].float(), g[0, s:e], beta[0, s:e])
+              for s, e in zip(bounds[:-1], bounds[1:])]
     return None, torch.stack(finals)
 
 
-def _chunk_final_state(k, v, g, beta, chunk_size: int = cpu_gdn.CHUNK_SIZE):
-    """One tail from zero state, state only. k: [HV, T, K] (normalised); v: [HV, T, V]; g, beta: [HV, T].
+def _chunk_major(x, chunk_size: int):
+    """[T, heads, ...] -> [chunks, heads, C, ...], zero-padded at the end, in one copy (the scan's steps read
+    contiguous blocks). Padded tokens (k = 0, g = 0, beta = 0) leave the state untouched."""
+    pad = (-x.shape[0]) % chunk_size
+    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+    x = x.view(x.shape[0] // chunk_size, chunk_size, *x.shape[1:])
+    return x.transpose(1, 2).contiguous()
 
-    NOTE: the WY chunk scan of tailreplay_sglang.cpu.gdn._chunk_scan without its output half (no q k^T, no q S^T).
+
+def _chunk_final_state(k, v, g, beta, chunk_size: int = cpu_gdn.CHUNK_SIZE):
+    """One tail from zero state, state only. k: [T, H, K] (normalised); v: [T, HV, V]; g, beta: [T, HV].
+
+    NOTE: the WY chunk scan of tailreplay_sglang.cpu.gdn._chunk_scan without its output half (no q k^T, no q S^T),
+    with (I + A)^-1 formed once per chunk and multiplied in, rather than a triangular solve with both right-hand sides.
     Returns the final state [HV, V, K].
     """
-    HV, T, K = k.shape
-    pad = (-T) % chunk_size  # zero-padded tokens (k = 0, g = 0) leave the state untouched
-    k, v = (F.pad(x, (0, 0, 0, pad)) for x in (k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    n, C = (T + pad) // chunk_size, chunk_size
-    k, v = (x.view(HV, n, C, -1).transpose(0, 1) for x in (k, v))
-    g = g.view(HV, n, C).transpose(0, 1).cumsum(-1)
-    beta = beta.view(HV, n, C).transpose(0, 1)
+    G = v.shape[1] // k.shape[1]
+    k = _chunk_major(k, chunk_size).repeat_interleave(G, dim=1)  # [n, HV, C, K]: value head i reads key head i // G
+    v = _chunk_major(v, chunk_size)
+    g, beta = _chunk_major(g, chunk_size).cumsum(-1), _chunk_major(beta, chunk_size)  # [n, HV, C]
+    C = chunk_size
 
     causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
-    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * g.exp()).unsqueeze(-1) * k], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    U, W = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
+    A_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    U = A_inv @ (beta.unsqueeze(-1) * v)
+    W = A_inv @ ((beta * g.exp()).unsqueeze(-1) * k)
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
     chunk_decay = g[..., -1].exp()[..., None, None]
 
-    state = k.new_zeros(HV, v.shape[-1], K)
-    for c in range(n):
+    state = k.new_zeros(v.shape[1], v.shape[-1], k.shape[-1])
+    for c in range(k.shape[0]):
         u = U[c] - W[c] @ state.transpose(-1, -2)
         state = state * chunk_decay[c] + u.transpose(-1, -2) @ k_to_end[c]
     return state
