@@ -2,9 +2,10 @@
 
 On a hit of m tokens a request gets a cleared mamba slot and k = config.tail_len(m) tokens to replay. Every group
 replays independently from a zero state over tokens [m - k, m): group 0 from the embeddings of those tokens, later
-groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN with its
-states written into the request's slot; the group's last GDN layer stops there (its norm, output projection and
-FFN feed nothing the next group uses). All hit requests of a prefill batch replay together as one varlen batch.
+groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN
+(`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch ops on CPU) with its states written into the request's
+slot; the group's last GDN layer computes only its state (its outputs, norm, output projection and FFN feed nothing
+the next group uses). All hit requests of a prefill batch replay together as one varlen batch.
 """
 
 import logging
@@ -15,8 +16,8 @@ import torch
 
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.cpu import conv, gdn
 from tailreplay_sglang.hidden_store import HiddenStore
+from tailreplay_sglang.kernels.replay import replay_gdn_layer
 
 logger = logging.getLogger(__name__)
 
@@ -85,25 +86,17 @@ def run(runner, store: HiddenStore, batch: ReplayBatch) -> None:
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
-    """One GDN decoder layer over the packed tails; states land in the requests' slots. Returns the next
-    residual-stream value, or None when only the state was needed."""
+    """One GDN decoder layer over the packed tails; conv and recurrent states land in the requests' slots.
+    Returns the next residual-stream value, or None when only the states were needed."""
     la = layer.linear_attn
     h = layer.input_layernorm(x)
     qkvz, ba = la._forward_input_proj(h)
-    q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)
+    q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)  # the model's own layout of its projections
     T = h.shape[0]
     mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-    no_initial_state = torch.zeros(len(batch.tail_lens), dtype=torch.bool)
-    mixed = conv.causal_conv1d_fwd(mixed.transpose(0, 1), la.attn.conv_weights, la.attn.bias, cache.conv[0],
-                                   batch.cu_seqlens, batch.mamba_slots, no_initial_state,
-                                   la.attn.activation).transpose(0, 1)
-    q, k, v = mixed.split([la.attn.q_dim, la.attn.k_dim, la.attn.v_dim], dim=-1)
-    g, beta = gdn.gdn_gating(la.A_log, a.reshape(T, -1), b.reshape(T, -1), la.dt_bias)
-    H, HV = la.attn.num_k_heads, la.attn.num_v_heads
-    cache.temporal[batch.mamba_slots] = 0  # replay starts from a zero state whatever the slot held
-    core, _ = gdn.chunk_gated_delta_rule(
-        q.reshape(1, T, H, -1), k.reshape(1, T, H, -1), v.reshape(1, T, HV, -1), g, beta, cache.temporal,
-        batch.cu_seqlens, batch.mamba_slots, use_qk_l2norm_in_kernel=True)
+    core = replay_gdn_layer(mixed, a.reshape(T, -1), b.reshape(T, -1), la.attn.conv_weights, la.attn.bias,
+                            la.A_log, la.dt_bias, batch.cu_seqlens, batch.mamba_slots, cache.conv[0],
+                            cache.temporal, state_only=state_only, max_seqlen=max(batch.tail_lens))
     if state_only:
         return None
     dv = la.head_v_dim

@@ -36,13 +36,13 @@ def _seq_bounds(cu_seqlens, total: int) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
-def _chunk_scan(q, k, v, g, beta, state, chunk_size: int):
+def _chunk_scan(q, k, v, g, beta, state, chunk_size: int, state_only: bool = False):
     """One sequence. q, k: [HV, T, K]; v: [HV, T, V]; g, beta: [HV, T]; state: [HV, V, K] (float32).
 
     WY form of the delta rule inside each chunk (as in fla's chunk kernels): with gamma_i the cumulative decay
     inside the chunk, the per-token state corrections u solve (I + A) u = beta*v - beta*gamma*K S0^T, where
     A_ij = beta_i (gamma_i / gamma_j) k_i.k_j for j < i. Chunks run in sequence, everything inside one is batched.
-    Returns (o [HV, T, V], final state [HV, V, K]).
+    Returns (o [HV, T, V], final state [HV, V, K]); o is None when `state_only` (the output half is skipped).
     """
     HV, T, K = k.shape
     pad = (-T) % chunk_size
@@ -61,16 +61,20 @@ def _chunk_scan(q, k, v, g, beta, state, chunk_size: int):
     rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * g.exp()).unsqueeze(-1) * k], dim=-1)
     solved = _solve_unit_lower(A, rhs)
     U, W = solved[..., : v.shape[-1]].contiguous(), solved[..., v.shape[-1] :].contiguous()
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * g.exp().unsqueeze(-1)
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)  # k_i * gamma_C / gamma_i
     chunk_decay = g[..., -1].exp()[..., None, None]  # gamma_C per chunk and head
+    if not state_only:
+        attn = (q @ k.transpose(-1, -2)) * decay
+        q_decayed = q * g.exp().unsqueeze(-1)
+        o = torch.empty_like(v)
 
-    o = torch.empty_like(v)
     for c in range(n):
         u = U[c] - W[c] @ state.transpose(-1, -2)  # [HV, C, V]
-        o[c] = q_decayed[c] @ state.transpose(-1, -2) + attn[c] @ u
+        if not state_only:
+            o[c] = q_decayed[c] @ state.transpose(-1, -2) + attn[c] @ u
         state = state * chunk_decay[c] + u.transpose(-1, -2) @ k_to_end[c]
+    if state_only:
+        return None, state
     return o.transpose(0, 1).reshape(HV, n * C, -1)[:, :T], state
 
 
@@ -94,13 +98,15 @@ def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor, block: int = 16) -> to
 def chunk_gated_delta_rule(
     q, k, v, g, beta, initial_state, cu_seqlens=None, initial_state_indices=None,
     use_qk_l2norm_in_kernel: bool = False, scale: float | None = None, chunk_size: int = CHUNK_SIZE,
+    state_only: bool = False,
 ):
     """Chunked GDN prefill over a packed varlen batch.
 
     q, k: [1, T, H, K]; v: [1, T, HV, V]; g (log decay), beta: [1, T, HV]; cu_seqlens: [B + 1] or None.
     initial_state: [slots, HV, V, K] pool read at `initial_state_indices` ([B]) and updated in place there
     (slot < 0 means padding: start from zero, write nothing), or [B, HV, V, K] when indices are None.
-    Returns (o [1, T, HV, V] in v's dtype, final states [B, HV, V, K] float32).
+    Returns (o [1, T, HV, V] in v's dtype, final states [B, HV, V, K] float32); o is None when `state_only`
+    (the last GDN layer of a replayed group needs only its state).
     """
     HV, K = v.shape[2], k.shape[-1]
     scale = K**-0.5 if scale is None else scale
@@ -110,17 +116,18 @@ def chunk_gated_delta_rule(
     qf, kf = _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV)
     vf, gf, bf = v[0].float(), g[0].float(), beta[0].float()
 
-    o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+    o = None if state_only else torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
     finals = []
     for i, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
         state = _read_state(initial_state, initial_state_indices, i, HV, v.shape[-1], K)
         o_seq, state = _chunk_scan(
-            *(x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf, bf)), state, chunk_size
+            *(x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf, bf)), state, chunk_size, state_only
         )
-        o[start:end] = o_seq.transpose(0, 1)
+        if o is not None:
+            o[start:end] = o_seq.transpose(0, 1)
         _write_state(initial_state, initial_state_indices, i, state)
         finals.append(state)
-    return o.unsqueeze(0).to(v.dtype), torch.stack(finals)
+    return (None if o is None else o.unsqueeze(0).to(v.dtype)), torch.stack(finals)
 
 
 def _read_state(pool, indices, i: int, HV: int, V: int, K: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ SGLang does (`conv_dim = 2 H K + HV V`).
 """
 
 import torch
-import torch.nn.functional as F
 
 from tailreplay_sglang.cpu import conv as cpu_conv
 from tailreplay_sglang.cpu import gdn as cpu_gdn
@@ -71,54 +70,9 @@ def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False
     Returns (o [T, HV, V] in v's dtype or None when `state_only`, final states [N, HV, V, K] float32).
     """
     g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias)
-    if not state_only:
-        o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, None, cu_seqlens,
-                                                  use_qk_l2norm_in_kernel=True)
-        return o[0], final
-    kf = cpu_gdn.l2norm(k.float())
-    bounds = cu_seqlens.tolist()
-    finals = [_chunk_final_state(kf[s:e], v[s:e].float(), g[0, s:e], beta[0, s:e])
-              for s, e in zip(bounds[:-1], bounds[1:])]
-    return None, torch.stack(finals)
-
-
-def _chunk_major(x, chunk_size: int):
-    """[T, heads, ...] -> [chunks, heads, C, ...], zero-padded at the end, in one copy (the scan's steps read
-    contiguous blocks). Padded tokens (k = 0, g = 0, beta = 0) leave the state untouched."""
-    pad = (-x.shape[0]) % chunk_size
-    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-    x = x.view(x.shape[0] // chunk_size, chunk_size, *x.shape[1:])
-    return x.transpose(1, 2).contiguous()
-
-
-def _chunk_final_state(k, v, g, beta, chunk_size: int = cpu_gdn.CHUNK_SIZE):
-    """One tail from zero state, state only. k: [T, H, K] (normalised); v: [T, HV, V]; g, beta: [T, HV].
-
-    NOTE: the WY chunk scan of tailreplay_sglang.cpu.gdn._chunk_scan without its output half (no q k^T, no q S^T),
-    with (I + A)^-1 formed once per chunk and multiplied in, rather than a triangular solve with both right-hand sides.
-    Returns the final state [HV, V, K].
-    """
-    G = v.shape[1] // k.shape[1]
-    k = _chunk_major(k, chunk_size).repeat_interleave(G, dim=1)  # [n, HV, C, K]: value head i reads key head i // G
-    v = _chunk_major(v, chunk_size)
-    g, beta = _chunk_major(g, chunk_size).cumsum(-1), _chunk_major(beta, chunk_size)  # [n, HV, C]
-    C = chunk_size
-
-    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(C, dtype=k.dtype, device=k.device)
-    A_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    U = A_inv @ (beta.unsqueeze(-1) * v)
-    W = A_inv @ ((beta * g.exp()).unsqueeze(-1) * k)
-    k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
-    chunk_decay = g[..., -1].exp()[..., None, None]
-
-    state = k.new_zeros(v.shape[1], v.shape[-1], k.shape[-1])
-    for c in range(k.shape[0]):
-        u = U[c] - W[c] @ state.transpose(-1, -2)
-        state = state * chunk_decay[c] + u.transpose(-1, -2) @ k_to_end[c]
-    return state
+    o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, None, cu_seqlens,
+                                              use_qk_l2norm_in_kernel=True, state_only=state_only)
+    return (None if o is None else o[0]), final
 
 
 def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, HV, V, K):
