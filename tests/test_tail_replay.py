@@ -19,7 +19,7 @@ pytestmark = pytest.mark.server
 
 NEW = 12
 EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-ratio", "1", "--tail-replay-hidden-dtype", "float32",
-               "--enable-metrics")
+               "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 
@@ -112,8 +112,8 @@ def test_concurrent_hits_on_one_prefix_are_independent(server, hf):
     flush(server)
     system = tok(SYSTEM).input_ids
     generate(server, system, max_new_tokens=1)
-    prompts = [system + tok(q).input_ids for q in (" one", " two two", " three three three", " four")]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    prompts = [system + tok(" question" * (i + 1)).input_ids for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda p: generate(server, p), prompts))
     for ids, out in zip(prompts, outs):
         assert out["meta_info"]["cached_tokens"] >= len(system)
@@ -163,6 +163,62 @@ def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio
         assert out["meta_info"]["cached_tokens"] == cut
         assert out["meta_info"]["tail_replay_tokens"] == expected
         assert len(out["output_ids"]) == 3
+
+
+def test_long_system_prompt_with_long_suffixes_through_chunked_prefill(server, hf):
+    """A 1024-token system prompt and suffixes of 40 / 200 / 600 tokens; with 128-token prefill chunks both the
+    cold prefill and the extend after each hit are chunked, and every hit is exact."""
+    import random
+
+    model, _ = hf
+    rng = random.Random(1)
+    system = [rng.randrange(3, 500) for _ in range(1024)]
+    flush(server)
+    generate(server, system, max_new_tokens=1)
+    for suffix_len in (40, 200, 600):
+        ids = system + [rng.randrange(3, 500) for _ in range(suffix_len)]
+        out = generate(server, ids, max_new_tokens=6)
+        assert out["meta_info"]["cached_tokens"] == len(system)
+        assert out["output_ids"] == greedy_generate(model, ids, 6)
+
+
+def test_openai_multi_turn_chat_reuses_the_conversation(server):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "what happened first?"}]
+    usages = []
+    for turn in range(5):
+        body = {"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}
+        r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        usages.append(reply["usage"])
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"and then, part {turn + 2}?"}]
+    for previous, usage in zip(usages, usages[1:]):
+        # each turn reuses at least the previous turn's whole prompt
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= previous["prompt_tokens"]
+
+
+def test_frontend_program_with_fork(server, hf):
+    """An SGLang frontend program (`sgl.function`) that forks after a shared prefix: every branch hits it."""
+    import sglang as sgl
+
+    @sgl.function
+    def branches(s, question):
+        s += SYSTEM + " " + question
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" branch {i} says"
+            f += sgl.gen("answer", max_tokens=4, temperature=0)
+        return [f.get_meta_info("answer") for f in forks]
+
+    _, tok = hf
+    flush(server)
+    backend = sgl.RuntimeEndpoint(server.base_url)
+    branches.run(question="what happened?", backend=backend)  # branches race in one prefill batch: some miss
+    state = branches.run(question="what happened?", backend=backend)  # stock SGLang: 0 cached on every branch
+    prefix_len = len(tok(SYSTEM + " what happened?").input_ids)
+    cached = [meta["cached_tokens"] for meta in state.ret_value]
+    assert len(cached) == 3 and all(c >= prefix_len - 1 for c in cached), (cached, prefix_len)
 
 
 def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_server, hf):
