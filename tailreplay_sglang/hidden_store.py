@@ -17,7 +17,7 @@ TOKEN_ID_BYTES = 8  # int64, what embeddings take
 
 
 def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
-    return layout.bytes_per_token(torch.empty((), dtype=dtype).element_size()) + TOKEN_ID_BYTES
+    return layout.bytes_per_token(dtype.itemsize) + TOKEN_ID_BYTES
 
 
 class HiddenStore:

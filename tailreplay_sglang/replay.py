@@ -76,10 +76,12 @@ def plan(runner, forward_batch, rows: list[tuple[int, int, object]], config: Tai
 @torch.no_grad()
 def run(runner, store: HiddenStore, batch: ReplayBatch) -> None:
     model, pool = runner.model.model, runner.req_to_token_pool
-    embeddings = model.embed_tokens(store.read_tokens(batch.kv_slots))
+    dtype = model.embed_tokens.weight.dtype
     for group in store.layout.groups:
-        x = (store.read_hidden(group.first_layer, batch.kv_slots).to(embeddings.dtype)
-             if store.is_stored(group.first_layer) else embeddings)
+        if store.is_stored(group.first_layer):
+            x = store.read_hidden(group.first_layer, batch.kv_slots).to(dtype)
+        else:  # group 0: fed by the embeddings of the tail tokens
+            x = model.embed_tokens(store.read_tokens(batch.kv_slots))
         for i, layer_id in enumerate(group.gdn_layers):
             last = i == len(group.gdn_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
