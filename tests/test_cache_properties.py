@@ -1,0 +1,532 @@
+"""Property tests of the Tail-Replay radix cache's bookkeeping, without a server or a GPU.
+
+How the cache is built
+    As SGLang's kv_cache_builder builds it for a hybrid GDN model, at toy sizes, on CPU, page size 1: a
+    HybridReqToTokenPool (request rows plus a MambaPool of GDN state slots, shaped as Qwen3-Next's config shapes
+    them), a HybridLinearKVPool for the full-attention KV behind a TokenToKVPoolAllocator, and then our factory
+    `create_tail_replay_cache(ctx)` with the TreeCacheBuildContext the scheduler hands a registered
+    `--radix-cache-backend` (tp_worker and model_config are None: only HiCache, LMCache and external-linker setups
+    read them). The config SGLang reads while building and using the cache comes from a RuntimeContext of a dummy
+    ServerArgs, active (`use_context`) only while a test runs, so the process-wide config is left alone.
+
+How requests are driven
+    Through SGLang's own scheduler-side functions: `Req.init_next_round_input` (the admission match, cow_mamba on as
+    the scheduler sets it, inside the scheduler's mamba alloc group), `tree_cache.lock`, `alloc_req_slots` /
+    `alloc_token_slots` (which evict under pressure), `checkpoint_kv_cache` after every prefill chunk,
+    `release_kv_cache` at the finish (with or without insert) and `release_req` for a decode retraction, after which
+    the same request is admitted again. Only the model is missing: the test writes the request's req_to_token row
+    itself (what `write_cache_indices` does on CPU) and makes up the sampled tokens. The lower-level API is driven
+    directly too: insert, match_prefix, lock/unlock of matched nodes, evict, and a flush (reset plus pool clears, as
+    `Scheduler.flush_cache` does when idle).
+
+What is checked, after every step of a hypothesis RuleBasedStateMachine
+    - KV: allocator free slots, KV held by tree nodes and KV owned by live requests partition the pool exactly (no
+      slot lost, held twice, or both free and in use); a live request's row starts with the path of its locked node.
+    - Locks and sizes: each node's lock_ref equals the number of held locks at or below it (so it is never
+      negative), evictable + protected == tokens in the tree, protected == the tokens on locked paths; SGLang's own
+      `sanity_check` (leaf sets, LRUs, size ledgers) passes.
+    - Mamba: no node holds a recurrent state (device or host), the mamba ledgers are zero, and the free mamba slots
+      plus the slots of live requests partition the MambaPool exactly, so a finished request's slot is freed.
+    - Matching, against a reference of every sequence published since the last flush: a match is exactly the
+      longest common prefix with the tree (any token boundary ends a match), it never exceeds the reference and
+      equals it while nothing was evicted, every tree path is a prefix of a published sequence. An admitted
+      request's hit is capped at input_len - 1 and marked with `tail_replay_match`, and it gets a fresh, cleared
+      mamba slot (no copy-on-write source); a live request that re-matches keeps its slot and is not marked.
+    At the end of each run every request finishes, every lock drops and everything is evicted: every KV slot,
+    request row and mamba slot is free again. The mutation tests at the bottom break the component's bookkeeping
+    on purpose and check that these properties catch it.
+"""
+
+import sys
+from array import array
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE as FLA_CHUNK_SIZE
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, release_req
+from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.runtime_context import create_context, use_context
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+from tailreplay_sglang.cache import REPLAY_ATTR, TailReplayMambaComponent, create_tail_replay_cache
+
+FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+
+KV_SLOTS = 40  # small, so admissions and decodes evict
+REQ_ROWS = MAMBA_SLOTS = 3  # a live request holds one row and one mamba slot
+MAX_CONTEXT = 32
+LINEAR_LAYERS, FULL_ATTENTION_LAYERS = [0, 1, 2], [3]
+VOCAB = 4  # few distinct tokens, so random sequences share prefixes and the tree branches
+MAX_SEQUENCE = 10  # direct inserts, queries and prompts
+MAX_OUTPUT = 6
+MAX_TEST_LOCKS = 3
+
+SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+                    print_blob=False, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def sglang_context():
+    server_args = ServerArgs(model_path="dummy", page_size=1)
+    server_args._mamba_cache_chunk_size = FLA_CHUNK_SIZE  # normally derived from the model's HF config
+    return server_args, create_context(server_args, role="scheduler")
+
+
+def build_cache(server_args):
+    """(tree cache, req-to-token pool, KV allocator) as the scheduler builds them, through our factory."""
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8,
+                                    state_size=8, conv_kernel=4, conv_shard_groups=[8, 8, 16])  # GDN: q, k, v
+    req_pool = HybridReqToTokenPool(
+        size=REQ_ROWS, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=REQ_ROWS, max_context_len=MAX_CONTEXT,
+        device="cpu", enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=LINEAR_LAYERS),
+        mamba_layer_ids=LINEAR_LAYERS, enable_mamba_extra_buffer=False)
+    kv_pool = HybridLinearKVPool(
+        size=KV_SLOTS, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+        full_attention_layer_ids=FULL_ATTENTION_LAYERS, device="cpu", enable_memory_saver=False,
+        mamba_pool=req_pool.mamba_pool)
+    allocator = TokenToKVPoolAllocator(size=KV_SLOTS, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool,
+                                       need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                             page_size=1)
+    ctx = TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
+        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
+        tp_size=1, tp_rank=0, tp_group=None)
+    return create_tail_replay_cache(ctx), req_pool, allocator
+
+
+# ---- reading the tree (custom components select SGLang's Python TreeCore, whose nodes are plain objects) ----
+
+def tree_nodes(cache) -> list:
+    """Every node below the root."""
+    nodes, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def node_kv(node) -> list[int]:
+    value = node.component_data[FULL].value
+    return [] if value is None else value.tolist()
+
+
+def path_tokens(node) -> tuple:
+    parts = []
+    while node.parent is not None:
+        parts.append(tuple(node.key.raw_token_ids()))
+        node = node.parent
+    return tuple(token for part in reversed(parts) for token in part)
+
+
+def common_prefix_len(a, b) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+def tree_match_len(cache, tokens) -> int:
+    """Longest common prefix of `tokens` with any root path: the match when any node with KV may end it."""
+    node, matched = cache.root_node, 0
+    while matched < len(tokens):
+        child = next((c for c in node.children.values() if c.key.raw_token_ids()[0] == tokens[matched]), None)
+        if child is None:
+            break
+        key = child.key.raw_token_ids()
+        common = common_prefix_len(key, tokens[matched:])
+        matched += common
+        if common < len(key):
+            break
+        node = child
+    return matched
+
+
+def draw_tokens(data, published, min_len: int, max_len: int) -> tuple:
+    """A token sequence that often continues or forks a published one, so the tree branches and hits happen."""
+    base = data.draw(st.sampled_from(published)) if published and data.draw(st.booleans()) else ()
+    keep = data.draw(st.integers(0, min(len(base), max_len)))
+    suffix = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=max(0, min_len - keep), max_size=max_len - keep))
+    return tuple(base[:keep]) + tuple(suffix)
+
+
+def new_request(rid: int, prompt) -> Req:
+    return Req(rid=f"req-{rid}", origin_input_text="", origin_input_ids=array("q", prompt),
+               sampling_params=SamplingParams(temperature=0, max_new_tokens=MAX_OUTPUT))
+
+
+def tokens_of(req: Req) -> tuple:
+    return tuple(req.origin_input_ids) + tuple(req.output_ids)
+
+
+class TailReplayCacheMachine(RuleBasedStateMachine):
+    def __init__(self, server_args):
+        super().__init__()
+        self.cache, self.req_pool, self.allocator = build_cache(server_args)
+        self.live: list[Req] = []  # admitted, not finished
+        self.prefill_len: dict[str, int] = {}  # rid -> tokens its prefill covers (+ outputs once retracted)
+        self.retracted: list[Req] = []  # waiting to be admitted again; they hold nothing
+        self.test_locks = []  # TreeLocks taken by the test on matched nodes
+        self.published: list[tuple] = []  # every sequence inserted into the tree since the last flush
+        self.evicted_since_flush = False
+        self.next_rid = 0
+
+    # ---- helpers ----
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return num_tokens <= self.allocator.available_size() + self.cache.evictable_size()
+
+    def allocate(self, num_tokens: int):
+        """SGLang's alloc_token_slots, which evicts the shortfall first."""
+        if num_tokens > self.allocator.available_size():
+            self.evicted_since_flush = True
+        return alloc_token_slots(self.cache, num_tokens)
+
+    def extend_row(self, req: Req, num_tokens: int) -> None:
+        """Allocate KV for the next `num_tokens` positions of the request and commit them (the forward ran)."""
+        start = req.kv.kv_committed_len
+        self.req_pool.write((req.kv.req_pool_idx, slice(start, start + num_tokens)), self.allocate(num_tokens))
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = start + num_tokens
+
+    def end_extend(self, req: Req, sampled: int) -> None:
+        """After a prefill chunk's forward: sample once the prefill is done, then checkpoint, as the scheduler does."""
+        published = tokens_of(req)[:req.extend_end]
+        if req.extend_end == self.prefill_len[req.rid]:
+            req.output_ids.append(sampled)
+        checkpoint_kv_cache(req, self.cache)
+        self.published.append(published)
+
+    def held_locks(self) -> list:
+        return self.test_locks + [req.lock for req in self.live]
+
+    def check_hit(self, tokens, hit_len: int, last_node, limit: int) -> None:
+        tree_len = min(tree_match_len(self.cache, tokens), limit)
+        assert hit_len == tree_len, f"match {hit_len} != longest common prefix with the tree {tree_len}"
+        reference = min(max((common_prefix_len(tokens, s) for s in self.published), default=0), limit)
+        assert hit_len <= reference, f"match {hit_len} beyond everything published ({reference})"
+        if not self.evicted_since_flush:
+            assert hit_len == reference, f"match {hit_len} != reference {reference} with nothing evicted"
+        node = self.cache.tree_core.node_by_id(last_node)
+        assert path_tokens(node) == tuple(tokens[:hit_len]), "match ends on a node whose path is not the hit"
+
+    def match(self, tokens, **kwargs):
+        result = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), **kwargs))
+        self.check_hit(tokens, result.device_prefix_len, result.last_device_node, limit=len(tokens))
+        assert result.mamba_branching_seqlen is None, "a node without state asked for a branching checkpoint"
+        return result
+
+    def finish(self, req: Req, insert: bool) -> None:
+        """The scheduler's finish: release_kv_cache, checkpointing into the tree unless the finish is discarded."""
+        self.live.remove(req)
+        owned_tokens = tokens_of(req)[:req.owned_kv_len()]
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids)) if insert else FINISH_ABORT()
+        release_kv_cache(req, self.cache, checkpoint=insert)
+        if insert:
+            self.published.append(owned_tokens)
+        assert not req.kv.holds_kv and not req.kv.holds_mamba, "a finished request still holds a row or a mamba slot"
+
+    # ---- low-level API ----
+
+    @rule(data=st.data())
+    def insert_sequence(self, data):
+        """Insert KV the test allocated, without a request (so without any mamba value)."""
+        tokens = draw_tokens(data, self.published, 1, MAX_SEQUENCE)
+        if not self.can_allocate(len(tokens)):
+            return
+        values = self.allocate(len(tokens))
+        self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=values))
+        self.published.append(tokens)
+
+    @rule(data=st.data())
+    def match_sequence(self, data):
+        self.match(draw_tokens(data, self.published, 0, MAX_SEQUENCE))
+
+    @precondition(lambda self: len(self.test_locks) < MAX_TEST_LOCKS)
+    @rule(data=st.data())
+    def lock_match(self, data):
+        result = self.match(draw_tokens(data, self.published, 1, MAX_SEQUENCE))
+        self.test_locks.append(self.cache.lock(result.last_device_node))
+
+    @precondition(lambda self: self.test_locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        self.cache.unlock(self.test_locks.pop(data.draw(st.integers(0, len(self.test_locks) - 1))))
+
+    @rule(num_tokens=st.integers(0, KV_SLOTS), mamba_states=st.integers(0, 2))
+    def evict(self, num_tokens, mamba_states):
+        evictable, available = self.cache.evictable_size(), self.allocator.available_size()
+        result = self.cache.evict(EvictParams(num_tokens=num_tokens, mamba_num=mamba_states))
+        evicted = result.num_tokens_evicted
+        assert min(num_tokens, evictable) <= evicted <= evictable, (num_tokens, evictable, evicted)
+        assert self.allocator.available_size() == available + evicted, "evicted KV not back in the allocator"
+        assert result.mamba_num_evicted == 0, "evicted a mamba state from a tree that holds none"
+        self.evicted_since_flush |= evicted > 0
+
+    @precondition(lambda self: not self.live)
+    @rule()
+    def flush(self):
+        """Scheduler.flush_cache, which only runs when idle (so first drop the test's locks; retracted requests
+        hold nothing)."""
+        for lock in self.test_locks:
+            self.cache.unlock(lock)
+        self.test_locks.clear()
+        # Checked before the clears below, which would hide a leak.
+        assert self.req_pool.mamba_allocator.available_size() == MAMBA_SLOTS, "idle, yet mamba slots are held"
+        assert self.cache.protected_size() == 0
+        self.cache.reset()
+        self.req_pool.clear()
+        self.allocator.clear()
+        self.req_pool.reset_aux_cache_allocator()
+        self.published.clear()
+        self.evicted_since_flush = False
+        assert not tree_nodes(self.cache) and self.cache.evictable_size() == 0
+
+    # ---- requests through the scheduler's functions ----
+
+    def next_admission(self, data) -> Req:
+        """A retracted request coming back, or a new one."""
+        if self.retracted and data.draw(st.booleans()):
+            return self.retracted.pop(data.draw(st.integers(0, len(self.retracted) - 1)))
+        self.next_rid += 1
+        return new_request(self.next_rid, draw_tokens(data, self.published, 2, MAX_SEQUENCE))
+
+    @precondition(lambda self: len(self.live) < REQ_ROWS)
+    @rule(data=st.data())
+    def admit_request(self, data):
+        req = self.next_admission(data)
+        tokens = tokens_of(req)
+        # Scheduler.get_new_batch_prefill: mamba slots pre-allocated for matches that copy a state (ours copies
+        # none, so they all go back), the match itself (cow_mamba on, key capped at input_len - 1).
+        self.req_pool.mamba_allocator.alloc_group_begin(1 + len(self.retracted))
+        req.init_next_round_input(self.cache)
+        self.req_pool.mamba_allocator.alloc_group_end()
+        self.check_hit(tokens, req.prefix_len, req.last_node, limit=len(tokens) - 1)
+        assert getattr(req, REPLAY_ATTR, None) == req.prefix_len, f"hit of {req.prefix_len} not marked for replay"
+        chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
+        req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
+        if not self.can_allocate(chunk):
+            self.cache.unlock(req.lock)  # not admitted: the scheduler leaves it waiting
+            req.lock = None
+            if req.is_retracted:
+                self.retracted.append(req)
+            return
+        req.extend_end = req.prefix_len + chunk
+        prefix = self.cache.prefix_device_indices(req)  # alloc_for_extend reads the prefix before allocating
+        alloc_req_slots(self.req_pool, [req], self.cache)
+        assert req.kv.holds_mamba and req.kv.mamba_needs_clear, "a hit must start from a fresh, cleared slot"
+        assert req.kv.mamba_cow_src_index is None, "a hit copied a state out of the tree"
+        self.req_pool.write((req.kv.req_pool_idx, slice(0, req.prefix_len)), prefix)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = req.prefix_len
+        self.extend_row(req, chunk)
+        self.live.append(req)
+        self.prefill_len[req.rid] = len(tokens)
+        self.end_extend(req, data.draw(st.integers(0, VOCAB - 1)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def run_request(self, data):
+        """The next prefill chunk, or up to three decode steps."""
+        req = data.draw(st.sampled_from(self.live))
+        remaining_prefill = self.prefill_len[req.rid] - req.extend_end
+        if remaining_prefill > 0:
+            chunk = data.draw(st.integers(1, remaining_prefill))
+            if not self.can_allocate(chunk):
+                return
+            req.init_next_round_input()  # a continuing chunk refreshes its fill ids; no re-match
+            self.extend_row(req, chunk)
+            req.extend_end += chunk
+            self.end_extend(req, data.draw(st.integers(0, VOCAB - 1)))
+            return
+        for _ in range(data.draw(st.integers(1, 3))):
+            if len(req.output_ids) >= MAX_OUTPUT or not self.can_allocate(1):
+                break
+            self.extend_row(req, 1)  # the KV of the last sampled token
+            req.output_ids.append(data.draw(st.integers(0, VOCAB - 1)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), insert=st.booleans())
+    def finish_request(self, data, insert):
+        self.finish(data.draw(st.sampled_from(self.live)), insert)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def retract_request(self, data):
+        """Decode retraction (out of KV): SGLang's release_req frees everything and re-queues the request."""
+        req = data.draw(st.sampled_from(self.live))
+        self.live.remove(req)
+        release_req(req=req, remaing_req_count=0, req_to_token_pool=self.req_pool,
+                    token_to_kv_pool_allocator=self.allocator, tree_cache=self.cache, hisparse_coordinator=None)
+        assert not req.kv.holds_kv and not req.kv.holds_mamba, "a retracted request still holds a row or a slot"
+        self.retracted.append(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def rematch_live_request(self, data):
+        """A request that already holds a slot matches again (e.g. a checkpoint re-match): it keeps its live state."""
+        req = data.draw(st.sampled_from(self.live))
+        slot, free_slots = int(req.kv.mamba_pool_idx), self.req_pool.mamba_allocator.available_size()
+        setattr(req, REPLAY_ATTR, None)
+        self.match(tokens_of(req)[:req.kv.kv_committed_len], req=req, cow_mamba=True)
+        assert getattr(req, REPLAY_ATTR) is None, f"{REPLAY_ATTR} set on a request that holds its state"
+        assert int(req.kv.mamba_pool_idx) == slot and req.kv.mamba_cow_src_index is None, "live state replaced"
+        assert self.req_pool.mamba_allocator.available_size() == free_slots, "a re-match took a mamba slot"
+
+    # ---- invariants ----
+
+    @invariant()
+    def bookkeeping_balances(self):
+        self.check_kv_partition()
+        self.check_locks_and_sizes()
+        self.check_no_mamba_in_tree()
+        self.check_mamba_slots()
+        self.check_tree_against_reference()
+        self.cache.sanity_check()  # SGLang's own: leaf sets, LRUs, size ledgers
+
+    def check_kv_partition(self):
+        free = self.allocator.free_pages.tolist() + self.allocator.release_pages.tolist()
+        in_tree = [index for node in tree_nodes(self.cache) for index in node_kv(node)]
+        owned = []
+        for req in self.live:
+            row = self.req_pool.req_to_token[req.kv.req_pool_idx]
+            protected = req.kv.cache_protected_len
+            path = self.cache.path_device_indices(req.lock.node).tolist()
+            assert row[:protected].tolist() == path, f"{req.rid}: row prefix is not its locked path"
+            owned += row[protected:req.kv.kv_allocated_len].tolist()
+        counts = Counter(free + in_tree + owned)
+        held_twice = sorted(index for index, count in counts.items() if count > 1)
+        lost = sorted(set(range(1, KV_SLOTS + 1)) - set(counts))
+        assert not held_twice and not lost and len(counts) == KV_SLOTS, f"KV slots held twice {held_twice}, lost {lost}"
+
+    def check_locks_and_sizes(self):
+        nodes = tree_nodes(self.cache)
+        assert self.cache.evictable_size() + self.cache.protected_size() == sum(len(node_kv(n)) for n in nodes)
+        full_refs, mamba_refs = Counter(), Counter()
+        for lock in self.held_locks():
+            node = self.cache.tree_core.node_by_id(lock.node)
+            if node.parent is not None and MAMBA not in lock.receipt.skipped_lock_components:
+                mamba_refs[node.id] += 1  # MAMBA locks only the node itself
+            while node.parent is not None:  # FULL locks the whole path
+                full_refs[node.id] += 1
+                node = node.parent
+        for node in nodes:
+            assert node.component_data[FULL].lock_ref == full_refs[node.id], f"node {node.id}: FULL lock_ref"
+            assert node.component_data[MAMBA].lock_ref == mamba_refs[node.id], f"node {node.id}: MAMBA lock_ref"
+        on_locked_paths = set()
+        for lock in self.held_locks():
+            on_locked_paths.update(self.cache.path_device_indices(lock.node).tolist())
+        assert self.cache.protected_size() == len(on_locked_paths), "protected != tokens on locked paths"
+
+    def check_no_mamba_in_tree(self):
+        for node in tree_nodes(self.cache):
+            state = node.component_data[MAMBA]
+            assert state.value is None and state.host_value is None, f"node {node.id} holds a recurrent state"
+        assert self.cache.mamba_evictable_size() == 0 and self.cache.mamba_protected_size() == 0
+        assert self.cache.all_mamba_values_flatten().numel() == 0
+
+    def check_mamba_slots(self):
+        assert all(req.kv.holds_mamba for req in self.live), "a live request lost its mamba slot"
+        held = [int(req.kv.mamba_pool_idx) for req in self.live]
+        counts = Counter(self.req_pool.mamba_allocator.free_slots.tolist() + held)
+        assert counts == Counter(range(1, MAMBA_SLOTS + 1)), f"mamba slots: free + live != pool: {counts}"
+        assert self.req_pool.available_size() == REQ_ROWS - len(self.live), "request rows leaked"
+
+    def check_tree_against_reference(self):
+        for leaf in (node for node in tree_nodes(self.cache) if not node.children):
+            path = path_tokens(leaf)
+            assert any(seq[:len(path)] == path for seq in self.published), f"tree path {path} was never published"
+        if not self.evicted_since_flush:
+            for seq in self.published:
+                assert tree_match_len(self.cache, seq) == len(seq), f"{seq} lost with nothing evicted"
+
+    def teardown(self):
+        """Drain: finish every request, drop every lock, evict everything; all slots must be free again."""
+        if sys.exc_info()[0] is not None:
+            return  # called from hypothesis' `finally`: a step failed or was cut short; keep its error on top
+        for req in list(self.live):
+            self.finish(req, insert=True)
+        for lock in self.test_locks:
+            self.cache.unlock(lock)
+        self.test_locks.clear()
+        self.bookkeeping_balances()
+        self.cache.evict(EvictParams(num_tokens=KV_SLOTS))
+        assert not tree_nodes(self.cache), "nodes survived evicting everything with nothing locked"
+        assert self.cache.evictable_size() == self.cache.protected_size() == 0
+        assert self.allocator.available_size() == KV_SLOTS, "KV slots leaked"
+        assert self.req_pool.available_size() == REQ_ROWS, "request rows leaked"
+        assert self.req_pool.mamba_allocator.available_size() == MAMBA_SLOTS, "mamba slots leaked"
+
+
+def run_machine(sglang_context, machine_settings) -> None:
+    server_args, context = sglang_context
+    with use_context(context):
+        run_state_machine_as_test(lambda: TailReplayCacheMachine(server_args), settings=machine_settings)
+
+
+def test_cache_bookkeeping_holds_under_random_operations(sglang_context):
+    run_machine(sglang_context, SETTINGS)
+
+
+# ---- the properties catch broken bookkeeping in the component ----
+
+def keep_the_slot(self, req, is_finished, insert_result=None, insert_params=None):
+    return None
+
+
+def donate_finished_state(self, req, insert_params, token_ids_len, is_finished):
+    insert_params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(-1).clone() if is_finished else None
+    return token_ids_len
+
+
+def store_donated_state(self, node, is_new_leaf, params, result, cache_actions):
+    if params.mamba_value is not None:
+        MambaComponent.commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions)
+
+
+def mark_nothing(self, params, result):
+    return result
+
+
+def mark_every_request(self, params, result):
+    if params.cow_mamba and params.req is not None:
+        setattr(params.req, REPLAY_ATTR, result.device_prefix_len)
+    return result
+
+
+BROKEN_COMPONENTS = {
+    "finished request keeps its mamba slot": ({"cleanup_after_caching_req": keep_the_slot}, "mamba slot"),
+    "nodes hold the finished request's state": (
+        {"prepare_for_caching_req": donate_finished_state, "commit_insert_component_data": store_donated_state},
+        "holds a recurrent state"),
+    "a match must end on a state (SGLang's validator)": (
+        {"create_match_validator": MambaComponent.create_match_validator}, "longest common prefix"),
+    "a hit is not marked for replay": ({"finalize_match_result_in_cache": mark_nothing}, "not marked for replay"),
+    "a live request is marked again": ({"finalize_match_result_in_cache": mark_every_request}, "holds its state"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_COMPONENTS))
+def test_properties_catch_broken_component_bookkeeping(sglang_context, monkeypatch, broken):
+    overrides, expected_failure = BROKEN_COMPONENTS[broken]
+    for name, method in overrides.items():
+        monkeypatch.setattr(TailReplayMambaComponent, name, method)
+    quick = settings(SETTINGS, max_examples=20, phases=[Phase.generate], report_multiple_bugs=False)
+    with pytest.raises(AssertionError, match=expected_failure):
+        run_machine(sglang_context, quick)
