@@ -11,10 +11,12 @@ The hidden store is sized with the KV pool and charged to its per-token cell siz
 """
 
 import logging
+import os
+import time
 
 import torch
 
-from tailreplay_sglang import capture, replay, visibility
+from tailreplay_sglang import capture, pool_report, replay, visibility
 from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
@@ -22,12 +24,17 @@ from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
 
+# Fault injection for the reliability tests: hold every replay pass this long, so that aborts, evictions and new
+# arrivals land while a replay is running. Never set in production.
+FAULT_REPLAY_DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
+
 
 class _State:
     config = TailReplayConfig()
     store: HiddenStore | None = None
     pending = replay.PendingReplays()
     metrics: visibility.ReplayMetrics | None = None
+    fault_replay_delay_s = 0.0
 
 
 def _hidden_dtype() -> torch.dtype:
@@ -68,7 +75,9 @@ def mark_pending(result, batch, *args, **kwargs):
 
 def replay_after_clear(result, runner, forward_batch, *args, **kwargs):
     if _State.store is not None and forward_batch.forward_mode.is_extend():
-        replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config, _State.metrics)
+        ran = replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config, _State.metrics)
+        if ran is not None and _State.fault_replay_delay_s:
+            time.sleep(_State.fault_replay_delay_s)
     return result
 
 
@@ -79,6 +88,7 @@ def register(config: TailReplayConfig) -> None:
     from tailreplay_sglang.plugin import RADIX_CACHE_BACKEND
 
     _State.config = config
+    _State.fault_replay_delay_s = float(os.environ.get(FAULT_REPLAY_DELAY_ENV, "0"))
     register_radix_cache_backend(RADIX_CACHE_BACKEND, create_tail_replay_cache)
     runner = "sglang.srt.model_executor.model_runner.ModelRunner"
     HookRegistry.register(
@@ -89,6 +99,11 @@ def register(config: TailReplayConfig) -> None:
                           HookType.AFTER)
     HookRegistry.register(f"{runner}._maybe_execute_deferred_mamba_cow_and_clear", replay_after_clear,
                           HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+        pool_report.add_to_internal_state, HookType.AFTER)
+    HookRegistry.register("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._evict",
+                          pool_report.EvictionCounter.count, HookType.AFTER)
     _register_meta_info(HookRegistry, HookType)
 
 

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from tailreplay_sglang import visibility
+from tailreplay_sglang import validation, visibility
 from tailreplay_sglang.config import HIDDEN_DTYPES, MODES, TailReplayConfig, TailReplayConfigError
 from tailreplay_sglang.layout import HybridLayout
 
@@ -95,8 +95,12 @@ def register() -> None:
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args,
                           HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._accumulate_request_meta_info",
-                          visibility.scalar_meta_info, HookType.AROUND)
+    tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+    HookRegistry.register(f"{tokenizer_manager}._accumulate_request_meta_info", visibility.scalar_meta_info,
+                          HookType.AROUND)
+    # Always on, with or without --enable-tail-replay: a bad token id must not take any server down.
+    HookRegistry.register(f"{tokenizer_manager}._validate_one_request", validation.validate_request_token_ids,
+                          HookType.BEFORE)
     config = TailReplayConfig.from_env()
     if config.enabled:  # in SGLang's scheduler process, spawned after the launcher validated the flags
         from tailreplay_sglang import integration

@@ -38,7 +38,13 @@ class PendingReplays:
             matched, req = self._by_row.pop(pool_idx, (None, None))
             if matched is not None and matched == prefix and prefix > 0:
                 rows.append((row, matched, req))
+        # An entry lives from one prepare_for_extend to that batch's forward. One left over (its request was
+        # aborted or retracted in between) must not be picked up by a later request on the same row.
+        self._by_row.clear()
         return rows
+
+    def __len__(self) -> int:
+        return len(self._by_row)
 
 
 @dataclass
@@ -108,11 +114,11 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
 
 
 def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingReplays, config: TailReplayConfig,
-                metrics=None) -> None:
+                metrics=None) -> ReplayBatch | None:
     rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
     batch = plan(runner, forward_batch, rows, config) if rows else None
     if batch is None:
-        return
+        return None
     start = time.perf_counter()
     run(runner, store, batch)
     seconds = time.perf_counter() - start
@@ -122,3 +128,4 @@ def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingRepla
         metrics.observe(len(batch.reqs), sum(batch.tail_lens), seconds)
     logger.info("Tail-Replay: %d request(s), %d token(s) replayed in %.1f ms", len(batch.tail_lens),
                 sum(batch.tail_lens), seconds * 1e3)
+    return batch

@@ -36,11 +36,11 @@ def tiny_qwen3next() -> Path:
     return build_model("tiny-qwen3next", MODELS_DIR / "tiny-qwen3next")
 
 
-def start_server(model_path, tmp_path_factory, *extra_args, **kwargs):
+def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
     """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises, not warns
-    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
     server = ServerProcess(str(model_path), tuple(extra_args), log_path=log, env=env, **kwargs)
     try:
         yield server.start().wait_healthy()
@@ -56,3 +56,8 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
     r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
     r.raise_for_status()
     return r.json()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak-requests", type=int, default=150,
+                     help="requests in tests/test_reliability.py::test_soak (CI: 150; long run: 2000)")

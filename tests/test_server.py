@@ -80,10 +80,13 @@ def test_openai_chat_uses_the_chat_template(server):
     {"text": "hi", "sampling_params": {"temperature": "hot"}},
     {"sampling_params": {"max_new_tokens": 2}},
     "{not json",
-], ids=["negative-max-new-tokens", "non-numeric-temperature", "no-prompt", "malformed-json"])
+    {"input_ids": [1, 100000], "sampling_params": {"max_new_tokens": 2}},
+    {"input_ids": [-1, 2], "sampling_params": {"max_new_tokens": 2}},
+], ids=["negative-max-new-tokens", "non-numeric-temperature", "no-prompt", "malformed-json", "out-of-vocab-id",
+        "negative-id"])
 def test_bad_request_gets_http_error_and_server_keeps_serving(server, hf, body):
-    # NOTE: stock SGLang 0.5.23 does not validate token ids: an out-of-vocab id kills the scheduler (left to the
-    # reliability issue).
+    # Stock SGLang 0.5.23 lets a bad token id kill the scheduler; the plugin's check is on without
+    # --enable-tail-replay too (tailreplay_sglang/validation.py).
     payload = {"data": body} if isinstance(body, str) else {"json": body}
     r = requests.post(f"{server.base_url}/generate", timeout=60, **payload)
     assert 400 <= r.status_code < 500, r.text

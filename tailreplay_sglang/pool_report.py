@@ -1,0 +1,51 @@
+"""A readback of every pool Tail-Replay touches, served in SGLang's `/server_info` (`internal_states[i]`).
+
+Tests and the soak run read the pools themselves here, not the logs: after traffic has drained, every KV slot (and
+with it every hidden-store entry, which is addressed by KV slot) is free or held by the radix tree, no tree node is
+locked, every mamba slot and request row is free, and no replay is left pending.
+"""
+
+KEY = "tail_replay_pools"
+
+
+class EvictionCounter:
+    """Tokens the radix tree has evicted since start-up (AFTER hook on UnifiedRadixCache._evict)."""
+
+    tokens = 0
+    calls = 0
+
+    @classmethod
+    def count(cls, result, cache, *args, **kwargs):
+        cls.tokens += int(getattr(result, "num_tokens_evicted", 0) or 0)
+        cls.calls += 1
+        return result
+
+
+def pool_report(scheduler, store, pending) -> dict:
+    kv = scheduler.token_to_kv_pool_allocator
+    rows = scheduler.req_to_token_pool
+    tree = scheduler.tree_cache
+    return {
+        "kv_total": int(kv.size),
+        "kv_free": int(kv.available_size()),
+        "tree_evictable": int(tree.evictable_size()),
+        "tree_protected": int(tree.protected_size()),  # tokens on paths of locked nodes
+        "mamba_total": int(rows.mamba_pool.size),
+        "mamba_free": int(rows.mamba_allocator.available_size()),
+        "tree_mamba_slots": int(tree.all_mamba_values_flatten().numel()),  # ours never hold one
+        "req_rows_total": int(rows.size),
+        "req_rows_free": len(rows.free_slots),
+        "hidden_store_slots": 0 if store is None else int(store.token_ids.numel()),
+        "pending_replays": len(pending),
+        "evicted_tokens": EvictionCounter.tokens,
+        "waiting_reqs": len(scheduler.waiting_queue),
+        "running_reqs": len(scheduler.running_batch.reqs),
+    }
+
+
+def add_to_internal_state(result, controller, *args, **kwargs):
+    """AFTER hook on SchedulerInternalStateController.get_internal_state."""
+    from tailreplay_sglang.integration import _State
+
+    result.internal_state[KEY] = pool_report(controller.scheduler, _State.store, _State.pending)
+    return result

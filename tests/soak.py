@@ -1,0 +1,259 @@
+"""Seeded soak traffic for a real server: forks, resends, multi-turn extends, aborts, flushes and bad requests from
+several client threads at once, with a KV pool small enough that the radix tree evicts all the time.
+
+`run_soak` returns what every request got, so the caller can check the outputs (with `--tail-replay-mode full`
+every completed output must equal the same prompt served with no cache hit: `check_against_no_cache`) and read
+the pools afterwards (`pools`).
+"""
+
+import itertools
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import requests
+
+from tailreplay_sglang.pool_report import KEY as POOLS_KEY
+
+OPS = {  # kind: weight
+    "fork": 30,  # a base prompt cut at a random point, new suffix
+    "resend": 12,  # a prompt sent before, unchanged
+    "extend": 20,  # a finished conversation + its answer + a new turn
+    "fresh": 8,  # a prompt sharing nothing
+    "abort_stream": 10,  # client hangs up after the first streamed chunk
+    "abort_api": 8,  # /abort_request while the request runs or waits
+    "flush": 4,  # /flush_cache (refused while busy, which is fine)
+    "bad_id": 8,  # an out-of-vocabulary token id: must get a 400
+}
+
+
+@dataclass
+class SoakConfig:
+    requests: int = 150
+    clients: int = 6
+    seed: int = 0
+    vocab_size: int = 512
+    bases: int = 4
+    base_len: tuple[int, int] = (250, 600)
+    max_prompt: int = 900  # keep every prompt well inside the KV pool
+    max_new: tuple[int, int] = (1, 12)
+
+
+@dataclass
+class Completed:
+    prompt: tuple[int, ...]
+    max_new: int
+    output_ids: list[int]
+    cached_tokens: int
+    tail_replay_tokens: int
+
+
+@dataclass
+class SoakReport:
+    ops: Counter = field(default_factory=Counter)
+    completed: list[Completed] = field(default_factory=list)
+    aborted: int = 0  # requests that ended with finish_reason abort
+    rejected_bad_id: int = 0
+    flush_calls: int = 0
+    flushes_done: int = 0  # SGLang refuses a flush while requests run: under load most are refused
+    errors: list[str] = field(default_factory=list)  # anything unexpected
+    seconds: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return sum(c.cached_tokens > 0 for c in self.completed)
+
+    @property
+    def replayed_tokens(self) -> int:
+        return sum(c.tail_replay_tokens for c in self.completed)
+
+
+class _Traffic:
+    """Shared, lock-protected history the clients draw their next prompt from."""
+
+    def __init__(self, cfg: SoakConfig):
+        self.cfg = cfg
+        rng = random.Random(cfg.seed)
+        self.bases = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(*cfg.base_len))]
+                      for _ in range(cfg.bases)]
+        self.sent: list[list[int]] = []
+        self.conversations: list[list[int]] = []  # prompt + answer of finished requests
+        self.lock = threading.Lock()
+
+    def prompt(self, kind: str, rng: random.Random) -> list[int]:
+        with self.lock:
+            if kind == "resend" and self.sent:
+                return list(rng.choice(self.sent))
+            if kind == "extend" and self.conversations:
+                turn = [rng.randrange(self.cfg.vocab_size) for _ in range(rng.randint(4, 40))]
+                ids = rng.choice(self.conversations) + turn
+                if len(ids) <= self.cfg.max_prompt:
+                    return ids
+        if kind == "fresh":
+            return [rng.randrange(self.cfg.vocab_size) for _ in range(rng.randint(20, 300))]
+        base = rng.choice(self.bases)
+        cut = rng.randint(1, len(base))
+        return base[:cut] + [rng.randrange(self.cfg.vocab_size) for _ in range(rng.randint(1, 60))]
+
+    def record(self, prompt: list[int], output: list[int]) -> None:
+        with self.lock:
+            self.sent.append(prompt)
+            if len(prompt) + len(output) < self.cfg.max_prompt:
+                self.conversations.append(prompt + output)
+
+
+def _body(ids, max_new, **extra) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+            **extra}
+
+
+class _Client:
+    def __init__(self, url: str, traffic: _Traffic, report: SoakReport, lock: threading.Lock):
+        self.url, self.traffic, self.report, self.lock = url, traffic, report, lock
+
+    def run_op(self, i: int, kind: str, rng: random.Random) -> None:
+        if kind == "flush":
+            r = requests.post(f"{self.url}/flush_cache", timeout=60)
+            self._note(flushed=r.status_code == 200, flush_call=True)
+            return
+        ids = self.traffic.prompt(kind, rng)
+        max_new = rng.randint(*self.traffic.cfg.max_new)
+        if kind == "bad_id":
+            ids = ids[:]
+            ids[rng.randrange(len(ids))] = self.traffic.cfg.vocab_size + rng.randrange(10**6)
+            r = requests.post(f"{self.url}/generate", json=_body(ids, max_new), timeout=120)
+            self._note(bad_id_ok=r.status_code == 400, error=None if r.status_code == 400 else
+                       f"bad id got HTTP {r.status_code}: {r.text[:200]}")
+        elif kind == "abort_stream":
+            self._abort_by_hanging_up(ids, rng)
+        elif kind == "abort_api":
+            self._abort_by_api(f"soak-{i}", ids, max_new, rng)
+        else:
+            self._generate(ids, max_new)
+
+    def _generate(self, ids, max_new, **extra) -> None:
+        r = requests.post(f"{self.url}/generate", json=_body(ids, max_new, **extra), timeout=300)
+        if r.status_code != 200:
+            self._note(error=f"/generate HTTP {r.status_code}: {r.text[:200]}")
+            return
+        out = r.json()
+        meta = out["meta_info"]
+        if (meta.get("finish_reason") or {}).get("type") == "abort":
+            self._note(aborted=True)
+            return
+        self.traffic.record(ids, out["output_ids"])
+        self._note(completed=Completed(tuple(ids), max_new, out["output_ids"], meta["cached_tokens"],
+                                       meta.get("tail_replay_tokens", 0)))
+
+    def _abort_by_hanging_up(self, ids, rng) -> None:
+        with requests.post(f"{self.url}/generate", json=_body(ids, 64, stream=True), stream=True,
+                           timeout=300) as r:
+            for _ in itertools.islice(r.iter_lines(), rng.randint(1, 3)):
+                pass  # then close the connection with the request still generating
+        self._note(aborted=True)
+
+    def _abort_by_api(self, rid, ids, max_new, rng) -> None:
+        def abort_soon():
+            time.sleep(rng.uniform(0.0, 0.3))
+            requests.post(f"{self.url}/abort_request", json={"rid": rid}, timeout=60)
+
+        aborter = threading.Thread(target=abort_soon)
+        aborter.start()
+        self._generate(ids, max_new + 32, rid=rid)  # may finish first: then its output is checked like any other
+        aborter.join()
+
+    def _note(self, completed=None, aborted=False, flushed=False, flush_call=False, bad_id_ok=False,
+              error=None) -> None:
+        with self.lock:
+            if completed is not None:
+                self.report.completed.append(completed)
+            self.report.aborted += aborted
+            self.report.flushes_done += flushed
+            self.report.flush_calls += flush_call
+            self.report.rejected_bad_id += bad_id_ok
+            if error:
+                self.report.errors.append(error)
+
+
+def run_soak(url: str, cfg: SoakConfig, progress=None) -> SoakReport:
+    traffic, report, lock = _Traffic(cfg), SoakReport(), threading.Lock()
+    client = _Client(url, traffic, report, lock)
+    kinds, weights = zip(*OPS.items())
+    counter = itertools.count()
+
+    def worker():
+        while (i := next(counter)) < cfg.requests:
+            rng = random.Random(cfg.seed * 1_000_003 + i)
+            kind = rng.choices(kinds, weights)[0]
+            with lock:
+                report.ops[kind] += 1
+            try:
+                client.run_op(i, kind, rng)
+            except requests.RequestException as e:
+                client._note(error=f"{kind}: {type(e).__name__}: {e}")
+            if progress:
+                progress()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(cfg.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def flush(url: str, timeout: float = 30.0) -> None:
+    """/flush_cache, retried: SGLang refuses it while a request is in its running batch, and a finished request
+    leaves that batch one scheduler step after its response went out."""
+    deadline = time.monotonic() + timeout
+    while requests.post(f"{url}/flush_cache", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the server stayed busy: /flush_cache refused"
+        time.sleep(0.1)
+
+
+def pools(url: str) -> dict:
+    return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0][POOLS_KEY]
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict:
+    """Pools once no request is waiting or running (aborted requests may still be draining)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = pools(url)
+        if p["waiting_reqs"] == p["running_reqs"] == 0 or time.monotonic() > deadline:
+            return p
+        time.sleep(0.2)
+
+
+def pool_leaks(p: dict) -> list[str]:
+    """What an idle server's pools should satisfy; returns the violations."""
+    checks = {
+        "every KV slot is free or held by the tree": p["kv_free"] + p["tree_evictable"] == p["kv_total"],
+        "no tree node is locked": p["tree_protected"] == 0,
+        "every mamba slot is free": p["mamba_free"] == p["mamba_total"],
+        "no tree node holds a mamba state": p["tree_mamba_slots"] == 0,
+        "every request row is free": p["req_rows_free"] == p["req_rows_total"],
+        "no replay left pending": p["pending_replays"] == 0,
+        "the hidden store covers every KV slot": p["hidden_store_slots"] > p["kv_total"],
+    }
+    return [f"{name}: {p}" for name, ok in checks.items() if not ok]
+
+
+def check_against_no_cache(url: str, completed: list[Completed], limit: int | None = None) -> list[str]:
+    """Serve each distinct completed prompt again right after a flush (so nothing can hit) and compare outputs."""
+    by_prompt: dict[tuple, list[Completed]] = {}
+    for c in completed:
+        by_prompt.setdefault((c.prompt, c.max_new), []).append(c)
+    mismatches = []
+    for (prompt, max_new), served in itertools.islice(by_prompt.items(), limit):
+        flush(url)
+        out = requests.post(f"{url}/generate", json=_body(list(prompt), max_new), timeout=300).json()
+        assert out["meta_info"]["cached_tokens"] == 0
+        mismatches += [f"prompt of {len(prompt)} tokens (cached {c.cached_tokens}, replayed {c.tail_replay_tokens}):"
+                       f" {c.output_ids} != no-cache {out['output_ids']}"
+                       for c in served if c.output_ids != out["output_ids"]]
+    return mismatches
