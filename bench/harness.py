@@ -26,10 +26,8 @@ from shared_prefix import stream_generate  # noqa: E402,F401  (re-exported: the 
 from tailreplay_sglang.models import build_model  # noqa: E402
 from tailreplay_sglang.server import ServerProcess  # noqa: E402
 
-# An idle SGLang scheduler busy-polls its sockets and keeps a whole core busy (measured: 10 CPU-seconds in 10 s).
-# With three servers on two cores that would slow down whichever server is being measured; --sleep-on-idle makes
-# an idle scheduler block in zmq poll, which a new request wakes at once.
-BENCH_FLAGS = ("--sleep-on-idle",)
+# CPU_FLAGS (tailreplay_sglang/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
+# core (measured: 10 CPU-seconds in 10 s), which would slow down whichever of the servers is being measured.
 # Token ids 0-2 are the chat special tokens (models.py); random prompts use the rest of the vocabulary.
 FIRST_ID = 3
 
@@ -93,7 +91,7 @@ def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path,
     try:
         for i, (label, flags) in enumerate(configs.items()):
             log = log_stem.with_suffix(f".server{i}.log")
-            servers[label] = ServerProcess(str(model_path), (*BENCH_FLAGS, *flags), log_path=log, **server_kwargs)
+            servers[label] = ServerProcess(str(model_path), tuple(flags), log_path=log, **server_kwargs)
             servers[label].start()
         for label, server in servers.items():
             server.wait_healthy(timeout=900)
