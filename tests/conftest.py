@@ -61,3 +61,5 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
 def pytest_addoption(parser):
     parser.addoption("--soak-requests", type=int, default=150,
                      help="requests in tests/test_reliability.py::test_soak (CI: 150; long run: 2000)")
+    parser.addoption("--soak-check-limit", type=int, default=None,
+                     help="re-serve at most this many distinct soak prompts without cache (default: all)")

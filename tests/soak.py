@@ -253,7 +253,9 @@ def check_against_no_cache(url: str, completed: list[Completed], limit: int | No
         flush(url)
         out = requests.post(f"{url}/generate", json=_body(list(prompt), max_new), timeout=300).json()
         assert out["meta_info"]["cached_tokens"] == 0
-        mismatches += [f"prompt of {len(prompt)} tokens (cached {c.cached_tokens}, replayed {c.tail_replay_tokens}):"
-                       f" {c.output_ids} != no-cache {out['output_ids']}"
-                       for c in served if c.output_ids != out["output_ids"]]
+        found = [f"prompt of {len(prompt)} tokens (cached {c.cached_tokens}, replayed {c.tail_replay_tokens}):"
+                 f" {c.output_ids} != no-cache {out['output_ids']}" for c in served if c.output_ids != out["output_ids"]]
+        for line in found:
+            print(f"soak mismatch: {line}", flush=True)  # visible at once in a long run
+        mismatches += found
     return mismatches

@@ -209,8 +209,9 @@ def test_soak(server, request):
     assert report.hits > 0 and report.aborted > 0 and report.rejected_bad_id > 0
     assert p["evicted_tokens"] > evicted_before
     assert pool_leaks(p) == []
-    start = time.monotonic()
-    assert check_against_no_cache(server.base_url, report.completed) == []
-    print(f"soak: every completed output equals no-cache ({len({(c.prompt, c.max_new) for c in report.completed})} "
-          f"distinct prompts re-served in {time.monotonic() - start:.0f} s)")
+    start, limit = time.monotonic(), request.config.getoption("--soak-check-limit")
+    assert check_against_no_cache(server.base_url, report.completed, limit) == []
+    distinct = len({(c.prompt, c.max_new) for c in report.completed})
+    print(f"soak: completed outputs equal no-cache for {min(distinct, limit or distinct)} of {distinct} distinct "
+          f"prompts (re-served in {time.monotonic() - start:.0f} s)")
     assert_serving(server)
