@@ -246,8 +246,9 @@ def main(argv=None):
                                "flags": configs[label]} for label, p in procs.items()}
             for label, s in servers.items():
                 got = harness.kv_pool_tokens(s["url"])
-                if got is not None and got < pool:  # then LRU may evict a warm prefix and the hit checks fail
-                    console.print(f"[red]{label}: KV pool {got} tokens, asked for {pool}[/red]")
+                if got is not None and got < pool:  # requests would be refused or warm prefixes evicted
+                    raise SystemExit(f"{label}: KV pool {got} tokens, needs {pool}: raise --mem-fraction-static "
+                                     f"in --server-args")
             arms = make_arms(servers)
             warmup, samples = measure_arms(servers, arms, args, model_path, console)
 
