@@ -5,12 +5,16 @@ SGLang 0.5.23 sends to Triton kernels unless the CPU has AMX (Triton has no CPU 
 - `fused_norm_gate.FusedRMSNormGated.forward` (Qwen3-Next GDN output norm),
 - `elementwise.fused_gate_sigmoid_mul_add` (Qwen-MoE shared-expert gate).
 
+It also replaces the `torch_native` backend's extend attention with one that computes only the new tokens' queries
+(`extend_attention.py`): SGLang's recomputes every prefix position on every extend, so each cache hit paid a full
+prefill's attention.
+
 Registered only on CPU without AMX, so GPU and AMX CPU runs keep SGLang's own kernels.
 """
 
 import logging
 
-from tailreplay_sglang.cpu import fused
+from tailreplay_sglang.cpu import extend_attention, fused
 
 logger = logging.getLogger(__name__)
 
@@ -46,4 +50,8 @@ def register() -> None:
         return
     for target, replacement in torch_paths().items():
         HookRegistry.register(target, replacement, HookType.REPLACE)
+    # SGLang's torch_native extend attention recomputes every prefix position on every extend (extend_attention.py)
+    HookRegistry.register(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+        extend_attention.sdpa_forward_extend, HookType.AROUND)
     logger.info("tailreplay_sglang: torch paths for %d Triton-only CPU branches", len(torch_paths()))
