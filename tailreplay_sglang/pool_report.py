@@ -12,12 +12,10 @@ class EvictionCounter:
     """Tokens the radix tree has evicted since start-up (AFTER hook on UnifiedRadixCache._evict)."""
 
     tokens = 0
-    calls = 0
 
     @classmethod
     def count(cls, result, cache, *args, **kwargs):
         cls.tokens += int(getattr(result, "num_tokens_evicted", 0) or 0)
-        cls.calls += 1
         return result
 
 
