@@ -17,6 +17,7 @@ import time
 import pytest
 import requests
 
+from conftest import generate as shared_generate
 from conftest import start_server
 from soak import SoakConfig, check_against_no_cache, flush, pool_leaks, pools, run_soak, wait_idle
 from tailreplay_sglang.integration import FAULT_REPLAY_DELAY_ENV
@@ -54,9 +55,7 @@ def post_generate(server, ids, max_new=8, **extra):
 
 
 def generate(server, ids, max_new=8, **extra) -> dict:
-    r = post_generate(server, ids, max_new, **extra)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return shared_generate(server, ids, max_new, **extra)
 
 
 def no_cache(server, ids, max_new=8) -> list[int]:
