@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from shared_prefix import stream_generate  # noqa: E402,F401  (re-exported: the one streaming client of bench/)
 from tailreplay_sglang.models import build_model  # noqa: E402
-from tailreplay_sglang.server import ServerProcess  # noqa: E402
+from tailreplay_sglang.server import ServerProcess, flush_cache  # noqa: E402,F401  (flush_cache: re-exported)
 
 # CPU_FLAGS (tailreplay_sglang/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
 # core (measured: 10 CPU-seconds in 10 s), which would slow down whichever of the servers is being measured.
@@ -170,14 +170,6 @@ def machine() -> dict:
                 if line.startswith("model name")), platform.processor())
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu, "cores": os.cpu_count(),
             "loadavg": os.getloadavg(), "platform": platform.platform()}
-
-
-def flush_cache(base_url: str) -> None:
-    """Empty the server's prefix cache, so that what it hits is what this run sent (matchable is computed from
-    this run's requests, and a --url server may hold an earlier run's prompts, even the same ones)."""
-    r = requests.post(f"{base_url}/flush_cache", timeout=60)
-    if r.status_code != 200:
-        raise RuntimeError(f"{base_url}/flush_cache answered {r.status_code}: {r.text}")
 
 
 def server_model_path(base_url: str) -> str:

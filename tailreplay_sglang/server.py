@@ -122,3 +122,20 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def flush_cache(base_url: str, timeout: float = 30.0) -> None:
+    """POST /flush_cache, retried while the server is busy.
+
+    SGLang refuses a flush (HTTP 400) while any request is in its running batch, and a finished request leaves that
+    batch only on the scheduler's next step, after its response went out: a client that flushes right after its
+    last answer can land in that window.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        r = requests.post(f"{base_url}/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url}/flush_cache still refused after {timeout:.0f} s: {r.status_code} {r.text}")
+        time.sleep(0.1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import requests
 
 from tailreplay_sglang.pool_report import KEY as POOLS_KEY
+from tailreplay_sglang.server import flush_cache
 
 OPS = {  # kind: weight
     "fork": 30,  # a base prompt cut at a random point, new suffix
@@ -207,12 +208,7 @@ def run_soak(url: str, cfg: SoakConfig, progress=None) -> SoakReport:
 
 
 def flush(url: str, timeout: float = 30.0) -> None:
-    """/flush_cache, retried: SGLang refuses it while a request is in its running batch, and a finished request
-    leaves that batch one scheduler step after its response went out."""
-    deadline = time.monotonic() + timeout
-    while requests.post(f"{url}/flush_cache", timeout=60).status_code != 200:
-        assert time.monotonic() < deadline, "the server stayed busy: /flush_cache refused"
-        time.sleep(0.1)
+    flush_cache(url, timeout)
 
 
 def pools(url: str) -> dict:

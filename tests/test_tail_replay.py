@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from conftest import generate as shared_generate
 from conftest import start_server
 from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_sglang.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -39,7 +40,7 @@ def generate(server, ids, max_new_tokens=NEW, **extra):
 
 
 def flush(server):
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    flush_cache(server.base_url)
 
 
 def test_identical_resend_hits_all_but_the_last_token_and_matches_no_cache(server, hf):
