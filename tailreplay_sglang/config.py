@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 ENV_VAR = "TAILREPLAY_CONFIG"
 MODES = ("ratio", "full", "zero")
 HIDDEN_DTYPES = ("bfloat16", "float32")
+HIDDEN_TIERS = ("device", "host")
+H2D_MODES = ("ser", "ovl")
 
 
 class TailReplayConfigError(ValueError):
@@ -26,6 +28,8 @@ class TailReplayConfig:
     max_tokens: int | None = None  # ... and at most this many; never more than m
     hidden_dtype: str = "bfloat16"  # dtype of the stored per-token group inputs
     mode: str = "ratio"  # ratio | full (replay the whole prefix: exact) | zero (no replay: the paper's baseline)
+    hidden_tier: str | None = None  # where the hidden store lives: device | host; None: chosen for the device
+    h2d: str = "ovl"  # a host-tier hit's tail load: ser (before the replay) | ovl (overlapped with it)
 
     def __post_init__(self):
         if not 0.0 < self.ratio <= 1.0:
@@ -43,6 +47,11 @@ class TailReplayConfig:
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise TailReplayConfigError(
                 f"--tail-replay-hidden-dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+        if self.hidden_tier not in (None, *HIDDEN_TIERS):
+            raise TailReplayConfigError(
+                f"--tail-replay-hidden-tier must be one of {', '.join(HIDDEN_TIERS)}, got {self.hidden_tier!r}")
+        if self.h2d not in H2D_MODES:
+            raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
 
     def tail_len(self, matched: int) -> int:
         """Tokens to replay for a hit of `matched` tokens: k = clamp(ceil(r*m), min, max), never more than m."""

@@ -3,6 +3,13 @@
 The store shares the FA KV pool's index space: the radix tree's KV indices address it, and freeing a KV slot frees
 its entry (nothing to track separately). Per slot it keeps the token id (group 0 replays from the embeddings) and,
 for each stored group, the residual-stream value entering the group's first GDN layer.
+
+Two tiers (`--tail-replay-hidden-tier`):
+- `device`: the store sits next to the KV pool, written and read in place;
+- `host`: the store sits in (pinned) host memory and costs no device memory. Each forward's new entries go back
+  asynchronously (`transfer.DeviceToHostWriteBack`), and a hit fetches only its tail, host -> device, through
+  `transfer.HostToDevice` (serialized or overlapped with the replay). Where host is the device (CPU), the same code
+  runs with synchronous copies.
 """
 
 import logging
@@ -10,40 +17,90 @@ import logging
 import torch
 
 from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice, pin
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ID_BYTES = 8  # int64, what embeddings take
+TIERS = ("device", "host")
+TOKENS = "tokens"  # fetch key of the tail's token ids (group 0's input); stored groups use their first layer
 
 
 def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
     return layout.bytes_per_token(dtype.itemsize) + TOKEN_ID_BYTES
 
 
+def default_tier(device) -> str:
+    """Host memory where the device has its own (the paper's setting); in place where they are one (CPU)."""
+    return "host" if torch.device(device).type == "cuda" else "device"
+
+
 class HiddenStore:
-    def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device):
-        self.layout = layout
+    def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device"):
+        if tier not in TIERS:
+            raise ValueError(f"hidden store tier must be one of {TIERS}, got {tier!r}")
+        self.layout, self.tier, self.device = layout, tier, torch.device(device)
         self._row = {g.first_layer: i for i, g in enumerate(layout.stored_groups)}
-        self.hiddens = torch.zeros(len(self._row), num_slots, layout.hidden_size, dtype=dtype, device=device)
-        self.token_ids = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        logger.info("Tail-Replay hidden store: %d slots x %d B/token = %.1f MiB (%d stored groups, %s)",
-                    num_slots, bytes_per_token(layout, dtype), self.nbytes / 2**20, len(self._row), dtype)
+        where = self.device if tier == "device" else torch.device("cpu")
+        self.hiddens = torch.zeros(len(self._row), num_slots, layout.hidden_size, dtype=dtype, device=where)
+        self.token_ids = torch.zeros(num_slots, dtype=torch.int64, device=where)
+        if tier == "host":
+            self.hiddens, self.token_ids = pin(self.hiddens), pin(self.token_ids)
+        self.write_back = DeviceToHostWriteBack(self.device) if tier == "host" else None
+        logger.info("Tail-Replay hidden store (%s tier): %d slots x %d B/token = %.1f MiB (%d stored groups, %s)",
+                    tier, num_slots, bytes_per_token(layout, dtype), self.nbytes / 2**20, len(self._row), dtype)
 
     @property
     def nbytes(self) -> int:
         return self.hiddens.numel() * self.hiddens.element_size() + self.token_ids.numel() * TOKEN_ID_BYTES
 
+    @property
+    def device_nbytes(self) -> int:
+        """What the store costs in device memory (zero for the host tier on a GPU)."""
+        return self.nbytes if self.hiddens.device == self.device else 0
+
     def is_stored(self, first_layer: int) -> bool:
         return first_layer in self._row
 
+    # ---- writes: every forward, on the compute stream ----
+
     def write_tokens(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.token_ids[slots] = token_ids.to(torch.int64)
+        self._write(self.token_ids, slots, token_ids.to(torch.int64))
 
     def write_hidden(self, first_layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.hiddens[self._row[first_layer], slots] = values.to(self.hiddens.dtype)
+        self._write(self.hiddens[self._row[first_layer]], slots, values.to(self.hiddens.dtype))
+
+    def _write(self, target: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        if self.write_back is None:
+            target[slots] = values
+            return
+        self.write_back.submit(lambda s, v: target.index_copy_(0, s.long(), v), slots, values)
+
+    # ---- reads: a hit's tail ----
 
     def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.token_ids[slots]
+        return self._read(self.token_ids, slots)
 
     def read_hidden(self, first_layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.hiddens[self._row[first_layer], slots]
+        return self._read(self.hiddens[self._row[first_layer]], slots)
+
+    def _read(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.write_back is None:
+            return source[slots]
+        self.write_back.drain()  # earlier forwards' entries must have landed
+        idx = slots.to(source.device, torch.int64)
+        out = torch.empty((idx.numel(), *source.shape[1:]), dtype=source.dtype, pin_memory=source.is_pinned())
+        return torch.index_select(source, 0, idx, out=out)  # gathered straight into pinned memory: H2D-ready
+
+    def fetch_tail(self, slots: torch.Tensor, h2d: HostToDevice) -> dict:
+        """Launch the loads of every replay input of a tail (token ids, then each stored group in order) and
+        return them by key (`TOKENS` or a group's first layer); read one after `h2d.wait(key)`."""
+        loads = {TOKENS: self.read_tokens(slots)}
+        loads.update({layer: self.read_hidden(layer, slots) for layer in self._row})
+        return {key: h2d.copy(key, pin(t)) for key, t in loads.items()}
+
+    def pending_write_backs(self) -> int:
+        if self.write_back is None:
+            return 0
+        self.write_back.poll()
+        return len(self.write_back)

@@ -19,7 +19,7 @@ import torch
 from tailreplay_sglang import capture, pool_report, replay, visibility
 from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
+from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token, default_tier
 from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ def _hidden_dtype() -> torch.dtype:
 
 def add_store_to_cell_size(original, configurator, kvc, num_layers):
     cell = original(configurator, kvc, num_layers)
+    if _State.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
+        return cell
     extra = bytes_per_token(HybridLayout.from_hf_config(kvc.model_config.hf_config), _hidden_dtype())
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
     return cell + extra
@@ -53,7 +55,8 @@ def create_store(result, runner, *args, **kwargs):
         return result
     layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
-    _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device)
+    tier = _State.config.hidden_tier or default_tier(runner.device)
+    _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device, tier)
     capture.install(runner.model.model.layers, _State.store)
     from sglang.srt.runtime_context import get_observability
 

@@ -6,18 +6,20 @@ own parser and turn them into a validated `TailReplayConfig` when SGLang builds 
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from tailreplay_sglang import validation, visibility
-from tailreplay_sglang.config import HIDDEN_DTYPES, MODES, TailReplayConfig, TailReplayConfigError
+from tailreplay_sglang.config import (H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
+                                      TailReplayConfigError)
 from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
 
 RADIX_CACHE_BACKEND = "tail_replay"
 _OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
-                 "tail_replay_hidden_dtype", "tail_replay_mode")
+                 "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tail-replay-mode", choices=MODES, default=None,
                        help="ratio (default); full: replay the whole prefix (exact); zero: reuse FA KV with zero "
                             "GDN states (the paper's baseline)")
+    group.add_argument("--tail-replay-hidden-tier", choices=HIDDEN_TIERS, default=None,
+                       help="where the stored hiddens live: device (next to the KV pool) or host (pinned host memory, "
+                            "no device memory; a hit loads only its tail). Default: host on a GPU, device on a CPU")
+    group.add_argument("--tail-replay-h2d", choices=H2D_MODES, default=None,
+                       help="host tier: load a hit's tail before the replay (ser) or overlapped with it on a copy "
+                            "stream (ovl, default)")
 
 
 def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
@@ -46,6 +54,7 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
         return TailReplayConfig()
     cfg = TailReplayConfig(enabled=True, **{d.removeprefix("tail_replay_"): v for d, v in given.items()})
     _check_combination(args)
+    cfg = dataclasses.replace(cfg, hidden_tier=_hidden_tier(cfg, args))
     try:
         HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
     except ValueError as e:
@@ -69,6 +78,25 @@ def _check_combination(args: argparse.Namespace) -> None:
     for dest in ("tp_size", "dp_size", "pp_size"):
         if (getattr(args, dest, None) or 1) > 1:
             raise TailReplayConfigError(f"--enable-tail-replay supports --{dest.replace('_', '-')} 1 only for now")
+
+
+def _hidden_tier(cfg: TailReplayConfig, args: argparse.Namespace) -> str:
+    """The tier, chosen for the device where not given. The host tier's write-back runs on the host between
+    kernels, which a captured CUDA graph cannot contain, so on a GPU it needs --disable-cuda-graph for now."""
+    device = getattr(args, "device", None) or ("cuda" if _cuda_available() else "cpu")
+    graphs = device == "cuda" and not getattr(args, "disable_cuda_graph", False)
+    if cfg.hidden_tier == "host" and graphs:
+        raise TailReplayConfigError("--tail-replay-hidden-tier host needs --disable-cuda-graph for now "
+                                    "(its write-back cannot be captured in a CUDA graph)")
+    if cfg.hidden_tier is not None:
+        return cfg.hidden_tier
+    return "host" if device == "cuda" and not graphs else "device"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):

@@ -45,13 +45,16 @@ def load_hf_model(model_path, dtype=torch.float32):
 
 @torch.no_grad()
 def greedy_generate(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([input_ids])
-    eos = model.generation_config.eos_token_id
-    pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-    # min_new_tokens: like the server's ignore_eos, always produce exactly max_new_tokens tokens
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return out[0, len(input_ids):].tolist()
+    """Exactly max_new_tokens argmax tokens, end-of-text ones included, as the server's ignore_eos gives them.
+
+    Not `model.generate(min_new_tokens=...)`: that masks the EOS logits until the minimum is reached, so where
+    EOS is the argmax it picks the runner-up and differs from the server."""
+    out = model(input_ids=torch.tensor([input_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 @torch.no_grad()

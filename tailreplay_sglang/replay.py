@@ -16,8 +16,9 @@ import torch
 
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.hidden_store import HiddenStore
+from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
+from tailreplay_sglang.transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +81,18 @@ def plan(runner, forward_batch, rows: list[tuple[int, int, object]], config: Tai
 
 
 @torch.no_grad()
-def run(runner, store: HiddenStore, batch: ReplayBatch) -> None:
+def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -> None:
     model, pool = runner.model.model, runner.req_to_token_pool
     dtype = model.embed_tokens.weight.dtype
+    h2d = HostToDevice(runner.device, h2d_mode)
+    inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
     for group in store.layout.groups:
-        if store.is_stored(group.first_layer):
-            x = store.read_hidden(group.first_layer, batch.kv_slots).to(dtype)
-        else:  # group 0: fed by the embeddings of the tail tokens
-            x = model.embed_tokens(store.read_tokens(batch.kv_slots))
+        key = group.first_layer if store.is_stored(group.first_layer) else TOKENS
+        h2d.wait(key)  # group g's replay waits for its own input only, not for later groups' loads
+        if key == TOKENS:  # group 0: fed by the embeddings of the tail tokens
+            x = model.embed_tokens(inputs[key])
+        else:
+            x = inputs[key].to(dtype)
         for i, layer_id in enumerate(group.gdn_layers):
             last = i == len(group.gdn_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
@@ -120,7 +125,7 @@ def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingRepla
     if batch is None:
         return None
     start = time.perf_counter()
-    run(runner, store, batch)
+    run(runner, store, batch, config.h2d)
     seconds = time.perf_counter() - start
     for req, k in zip(batch.reqs, batch.tail_lens):
         visibility.record(req, k, seconds * 1e3)

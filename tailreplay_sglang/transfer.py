@@ -1,4 +1,4 @@
-"""Host-to-device transfer of a cache hit (FA KV, tail hiddens, tail token ids), serialized or overlapped.
+"""Host <-> device transfers of Tail-Replay: a hit's H2D load (serialized or overlapped), the store's D2H write-back.
 
 The paper's second replay optimization: the replay never reads the FA KV, so the KV can travel host -> device on a
 separate copy stream while the compute stream replays the GDN tail; the compute stream waits for one FA layer's KV
@@ -18,10 +18,16 @@ only right before that layer's attention. `HostToDevice` is that stream logic, s
 - a tensor already on the target device (CPU runs, CPU tests): `copy` returns it as it is and `wait` does nothing,
   so CPU callers run the same code.
 
+`DeviceToHostWriteBack` is the other direction: the hidden store in host memory receives every forward's new
+hiddens on a copy stream, into pinned staging buffers, and applies them to the store (a host-side scatter) once the
+copy has landed, in submission order, so the forward never waits for it. On a CPU the apply happens at once.
+
 Host tensors should be pinned (`pin`); a pageable source makes a "non-blocking" copy synchronous and the overlap
 silently disappears, so mode "ovl" refuses one. Callers may drop a host tensor right after `copy`: torch's pinned
 allocator (which `pin` uses) records the copy and keeps the block until it has landed.
 """
+
+import collections
 
 import torch
 
@@ -79,6 +85,56 @@ class HostToDevice:
     def wait_all(self) -> None:
         for key in self.events:
             self.wait(key)
+
+
+class DeviceToHostWriteBack:
+    """Asynchronous device -> host copies whose host-side effect (`apply`) runs in submission order once landed.
+
+    `submit(apply, *tensors)` copies `tensors` to pinned host buffers on a copy stream (after what the current stream
+    has queued, which produced them) and later calls `apply(*host_tensors)`. `poll()` applies every landed copy,
+    `drain()` waits for all: a reader of what `apply` writes calls `drain()` first. Order matters for a store whose
+    slots are reused: a later write to a slot must land after an earlier one, so a copy that has landed still waits
+    for every copy submitted before it.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._queue: collections.deque = collections.deque()
+
+    def submit(self, apply, *tensors: torch.Tensor) -> None:
+        if self.stream is None:  # host == device: the synchronous path, same effect
+            apply(*tensors)
+            return
+        event, staged = self._launch(tensors)
+        self._queue.append((event, apply, staged))
+        self.poll()
+
+    def _launch(self, tensors) -> tuple:
+        """Queue the copies on the copy stream; returns (event recorded after them, pinned host buffers)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward produced `tensors`
+        with torch.cuda.stream(self.stream):
+            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(staged, tensors):
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # the forward may free `t` before the copy has read it
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event, staged
+
+    def poll(self) -> None:
+        while self._queue and self._queue[0][0].query():
+            _, apply, staged = self._queue.popleft()
+            apply(*staged)
+
+    def drain(self) -> None:
+        while self._queue:
+            event, apply, staged = self._queue.popleft()
+            event.synchronize()
+            apply(*staged)
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
 def copy_all_blocking(host: dict, device) -> dict:

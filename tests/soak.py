@@ -234,6 +234,7 @@ def pool_leaks(p: dict) -> list[str]:
         "no tree node holds a mamba state": p["tree_mamba_slots"] == 0,
         "every request row is free": p["req_rows_free"] == p["req_rows_total"],
         "no replay left pending": p["pending_replays"] == 0,
+        "no hidden write-back left pending": p["pending_write_backs"] == 0,
         "the hidden store covers every KV slot": p["hidden_store_slots"] > p["kv_total"],
     }
     return [f"{name}: {p}" for name, ok in checks.items() if not ok]

@@ -11,6 +11,8 @@ from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
     ({"min_tokens": 100, "max_tokens": 10}, "--tail-replay-min-tokens"),
     ({"mode": "half"}, "--tail-replay-mode"),
     ({"hidden_dtype": "int8"}, "--tail-replay-hidden-dtype"),
+    ({"hidden_tier": "disk"}, "--tail-replay-hidden-tier"),
+    ({"h2d": "async"}, "--tail-replay-h2d"),
 ])
 def test_invalid_values_name_the_flag(kwargs, flag):
     with pytest.raises(TailReplayConfigError, match=flag):

@@ -19,7 +19,7 @@ def test_flags_appear_in_stock_help():
     out = launch("--help")
     assert out.returncode == 0
     for flag in ("--enable-tail-replay", "--tail-replay-ratio", "--tail-replay-min-tokens", "--tail-replay-max-tokens",
-                 "--tail-replay-hidden-dtype", "--tail-replay-mode"):
+                 "--tail-replay-hidden-dtype", "--tail-replay-mode", "--tail-replay-hidden-tier", "--tail-replay-h2d"):
         assert flag in out.stdout
 
 
@@ -29,7 +29,11 @@ def test_flags_appear_in_stock_help():
     (["--enable-tail-replay", "--tail-replay-min-tokens", "100", "--tail-replay-max-tokens", "10"],
      "--tail-replay-min-tokens (100) must not exceed --tail-replay-max-tokens (10)"),
     (["--enable-tail-replay", "--disable-radix-cache"], "does not support --disable-radix-cache"),
-], ids=["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache"])
+    (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
+    (["--enable-tail-replay", "--tail-replay-hidden-tier", "host", "--device", "cuda"],
+     "--tail-replay-hidden-tier host needs --disable-cuda-graph"),
+], ids=["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache", "unknown-tier",
+        "host-tier-with-cuda-graphs"])
 def test_invalid_flags_fail_at_start_up_naming_the_flag(tiny_qwen35, args, message):
     out = launch("--model-path", str(tiny_qwen35), *args)
     assert out.returncode == 2

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.server
 VOCAB = 512  # tiny-qwen35
 REPLAY_DELAY_S = 0.3
 POOL_TOKENS = 1536
+# The host hidden tier with serialized loads: the soak and fault cases also drive its write-back and tail-load
+# path (synchronous copies on a CPU); the device tier has the rest of the suite.
 FLAGS = ("--enable-tail-replay", "--tail-replay-mode", "full", "--tail-replay-hidden-dtype", "float32",
+         "--tail-replay-hidden-tier", "host", "--tail-replay-h2d", "ser",
          "--enable-cache-report", "--chunked-prefill-size", "256")
 
 
@@ -185,7 +188,7 @@ def test_hidden_store_is_sized_with_the_kv_pool_so_it_cannot_fill_first(server):
     # The store is addressed by KV slot: it has an entry for every slot of the pool (plus SGLang's padding slot 0),
     # so "store full" is "KV pool full", where SGLang evicts or rejects. Fill the pool with cached prefixes and go on.
     p = pools(server.base_url)
-    assert p["hidden_store_slots"] == p["kv_total"] + 1
+    assert p["hidden_store_slots"] == p["kv_total"] + 1 and p["hidden_tier"] == "host"
     prompts = [random_ids(700, seed=10 + i) for i in range(4)]  # 2800 tokens through a 1536-token pool
     outs = [generate(server, ids, max_new=4)["output_ids"] for ids in prompts]
     assert pools(server.base_url)["evicted_tokens"] > 0

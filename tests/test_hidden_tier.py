@@ -1,0 +1,169 @@
+"""The hidden store's two tiers and its transfers, without a server: the host tier (write-back, tail fetch through
+`HostToDevice`, serialized or overlapped) must hold and return exactly what the device tier does, and the
+write-back must apply copies in submission order whatever order they land in."""
+
+import argparse
+
+import pytest
+import torch
+
+from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
+from tailreplay_sglang.hidden_store import TOKENS, HiddenStore, default_tier
+from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
+from tailreplay_sglang.plugin import _hidden_tier
+from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LAYOUT = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=16)  # 2 stored groups
+
+
+def _forwards(num_slots: int, steps: int, seed: int):
+    """Random 'forwards': each writes token ids and both stored groups' hiddens to a batch of slots, with slots
+    reused across forwards (a freed KV slot gets a new token), as the capture hooks do."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        n = int(torch.randint(1, num_slots // 2, (1,), generator=g))
+        slots = torch.randperm(num_slots - 1, generator=g)[:n] + 1  # slot 0 is SGLang's padding
+        tokens = torch.randint(0, 1000, (n,), generator=g)
+        hiddens = {layer: torch.randn(n, LAYOUT.hidden_size, generator=g) for layer in (4, 8)}
+        yield slots.to(DEVICE), tokens.to(DEVICE), {k: v.to(DEVICE) for k, v in hiddens.items()}
+
+
+def _fill(store: HiddenStore, seed: int) -> None:
+    for slots, tokens, hiddens in _forwards(store.token_ids.numel(), steps=12, seed=seed):
+        store.write_tokens(slots, tokens)
+        for layer, values in hiddens.items():
+            store.write_hidden(layer, slots, values)
+
+
+@pytest.mark.parametrize("h2d_mode", ["ser", "ovl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_tier_returns_exactly_what_the_device_tier_does(h2d_mode, dtype):
+    stores = {tier: HiddenStore(LAYOUT, 64, dtype, DEVICE, tier) for tier in ("device", "host")}
+    for store in stores.values():
+        _fill(store, seed=0)
+    assert stores["host"].hiddens.device.type == "cpu" and stores["host"].pending_write_backs() == 0
+    tail = torch.tensor([5, 9, 9, 1, 63, 17], device=DEVICE)  # a tail may name any slot, even twice
+    got = {}
+    for tier, store in stores.items():
+        h2d = HostToDevice(DEVICE, h2d_mode)
+        loads = store.fetch_tail(tail, h2d)
+        h2d.wait_all()
+        assert set(loads) == {TOKENS, 4, 8}
+        assert all(t.device.type == torch.device(DEVICE).type for t in loads.values())
+        got[tier] = {k: v.cpu() for k, v in loads.items()}
+    for key in got["device"]:
+        assert torch.equal(got["device"][key], got["host"][key]), key
+
+
+def test_last_write_to_a_slot_wins_on_both_tiers():
+    for tier in ("device", "host"):
+        store = HiddenStore(LAYOUT, 8, torch.float32, DEVICE, tier)
+        slots = torch.tensor([3, 4], device=DEVICE)
+        store.write_hidden(4, slots, torch.ones(2, 16, device=DEVICE))
+        store.write_hidden(4, slots[:1], torch.full((1, 16), 7.0, device=DEVICE))  # slot 3 freed and reused
+        got = store.read_hidden(4, slots).cpu()
+        assert got[0].eq(7).all() and got[1].eq(1).all(), tier
+
+
+class _Event:
+    def __init__(self):
+        self.landed = False
+        self.synchronized = False
+
+    def query(self):
+        return self.landed
+
+    def synchronize(self):
+        self.synchronized = self.landed = True
+
+
+class _ScriptedWriteBack(DeviceToHostWriteBack):
+    """The real queue logic, with copies that land when the test says so (no GPU needed)."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.stream, self.events = object(), []
+
+    def _launch(self, tensors):
+        self.events.append(_Event())
+        return self.events[-1], [t.clone() for t in tensors]
+
+
+def test_write_back_applies_in_submission_order_whatever_lands_first():
+    wb, applied = _ScriptedWriteBack(), []
+    for i in range(3):
+        wb.submit(lambda t: applied.append(int(t)), torch.tensor(i))
+    assert applied == [] and len(wb) == 3
+    wb.events[1].landed = True  # the second copy lands first: it must wait for the first
+    wb.poll()
+    assert applied == []
+    wb.events[0].landed = True
+    wb.poll()
+    assert applied == [0, 1] and len(wb) == 1
+    wb.drain()  # a reader waits for the rest
+    assert applied == [0, 1, 2] and wb.events[2].synchronized and len(wb) == 0
+
+
+def test_host_tier_read_waits_for_pending_write_backs():
+    store = HiddenStore(LAYOUT, 8, torch.float32, "cpu", "host")
+    store.write_back = _ScriptedWriteBack()
+    store.write_hidden(8, torch.tensor([2]), torch.full((1, 16), 3.0))
+    assert store.pending_write_backs() == 1  # not landed yet: the store still holds zeros
+    assert store.read_hidden(8, torch.tensor([2])).eq(3).all()  # the read drained it first
+    assert store.pending_write_backs() == 0
+
+
+def _args(**kw):
+    return argparse.Namespace(**{"device": None, "disable_cuda_graph": False, **kw})
+
+
+@pytest.mark.parametrize("kw,given,expected", [
+    ({"device": "cpu"}, None, "device"),
+    ({"device": "cpu"}, "host", "host"),  # the same code, synchronous copies
+    ({"device": "cuda", "disable_cuda_graph": True}, None, "host"),
+    ({"device": "cuda"}, None, "device"),  # CUDA graphs on: the host write-back cannot be captured
+    ({"device": "cuda"}, "device", "device"),
+])
+def test_tier_is_chosen_for_the_device(kw, given, expected):
+    assert _hidden_tier(TailReplayConfig(enabled=True, hidden_tier=given), _args(**kw)) == expected
+
+
+def test_host_tier_with_cuda_graphs_is_refused_naming_the_flags():
+    with pytest.raises(TailReplayConfigError, match="--tail-replay-hidden-tier host needs --disable-cuda-graph"):
+        _hidden_tier(TailReplayConfig(enabled=True, hidden_tier="host"), _args(device="cuda"))
+
+
+def test_default_tier():
+    assert default_tier("cpu") == "device" and default_tier("cuda") == "host"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_write_back_is_asynchronous_and_lands():
+    store = HiddenStore(LAYOUT, 1 << 14, torch.bfloat16, "cuda", "host")
+    assert store.hiddens.is_pinned() and store.device_nbytes == 0
+    slots = torch.arange(1, 1 << 13, device="cuda")
+    values = torch.randn(slots.numel(), 16, device="cuda")
+    store.write_hidden(4, slots, values)
+    got = store.read_hidden(4, slots)
+    assert got.is_pinned() and torch.equal(got.cuda(), values.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tier,extra", [("device", True), ("host", False)])
+def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, tier, extra):
+    """The pool configurator sizes the KV pool by bytes per token: the device-tier store adds its bytes (fewer
+    tokens fit), the host-tier store adds none (the device pool keeps its stock size)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from tailreplay_sglang import integration
+    from tailreplay_sglang.hidden_store import bytes_per_token
+    from tailreplay_sglang.models import build_model
+
+    hf_config = AutoConfig.from_pretrained(build_model("tiny-qwen35", tmp_path / "m"))
+    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+    monkeypatch.setattr(integration._State, "config", TailReplayConfig(enabled=True, hidden_tier=tier))
+    cell = integration.add_store_to_cell_size(lambda *args: 1000, None, kvc, 8)
+    store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.bfloat16)
+    assert cell == 1000 + (store if extra else 0)
