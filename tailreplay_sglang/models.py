@@ -90,6 +90,13 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=32768, dtype="float32",
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
+    # The quality-evaluation model (`tailreplay_sglang.training`): trained on RULER-style tasks, ~2M parameters.
+    "quality-qwen35": Preset(
+        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=384, vocab_size=1024,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=32768, dtype="float32",
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -152,6 +159,11 @@ def _sentence(rng: random.Random) -> str:
     else:
         text = f"On {rng.randrange(1, 29)}/{rng.randrange(1, 13)}/{rng.randrange(1950, 2030)} {s} {a} {v} {o}!"
     return text
+
+
+def sentence(rng: random.Random) -> str:
+    """One filler sentence in the tokenizer corpus's style (the haystack of `tasks.py`)."""
+    return _sentence(rng)
 
 
 def training_corpus() -> list[str]:

@@ -1,0 +1,281 @@
+"""Train the quality-evaluation model: a small Qwen3.5 hybrid that must use its context, on RULER-style tasks.
+
+    python -m tailreplay_sglang.training --out models/quality-qwen35          # resumes from --work if it can
+
+Random-weight models forget their GDN state within a token (`../shared/notes/gdn-replay-probe.md`), so replay looks
+exact on them and a quality evaluation says nothing. This model is trained on the task suites of `tasks.py` (other
+seeds than the evaluation's) until full prefill answers them: retrieval through its full-attention layers, and
+whatever its GDN layers learn to carry. Seeded and resumable: a checkpoint (weights, optimizer, step, RNG states)
+is written to `--work` every `--save-every` steps and picked up by the next run with the same config.
+
+Loss: cross-entropy on the answer tokens (what the tasks score), plus a small language-model term on the context so
+the model keeps modelling its document. Context lengths follow a curriculum from short to `--max-len`, since
+retrieval is learnt fastest on short haystacks and then carries over to longer ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tailreplay_sglang import tasks
+from tailreplay_sglang.models import BUILD_MARKER, build_model
+from tailreplay_sglang.reference import force_torch_gdn
+
+PRESET = "quality-qwen35"
+TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluation's (bench/quality.py: 0..)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
+    min_len: int = 64
+    max_len: int = 2048
+    curriculum_steps: int = 1000  # the length range widens from [min_len, 2 * min_len] to [min_len, max_len]
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    context_loss_weight: float = 0.05
+    seed: int = 0
+    threads: int = 2
+    save_every: int = 50
+    eval_every: int = 250
+
+    def __post_init__(self):
+        if not 0 < self.min_len <= self.max_len:
+            raise ValueError(f"need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.tokens_per_step < self.max_len:
+            raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must hold one max_len sequence")
+
+
+def length_range(cfg: TrainConfig, step: int) -> tuple[int, int]:
+    frac = min(1.0, step / max(1, cfg.curriculum_steps))
+    hi = int(min(cfg.max_len, 2 * cfg.min_len) * (1 - frac) + cfg.max_len * frac)
+    return cfg.min_len, max(cfg.min_len, hi)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def encode(sample: tasks.Sample, tokenizer) -> tuple[list[int], int, int]:
+    """Token ids of prompt + target, and where the question and the target start."""
+    context = tokenizer(sample.context).input_ids
+    question = tokenizer(sample.question).input_ids
+    target = tokenizer(sample.target()).input_ids
+    return context + question + target, len(context), len(context) + len(question)
+
+
+def make_batch(cfg: TrainConfig, step: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """One length, several tasks: (input ids [B, T], loss weights [B, T] on the positions predicting each token)."""
+    rng = random.Random(cfg.seed * 7919 + step)
+    lo, hi = length_range(cfg, step)
+    length = rng.randint(lo, hi)
+    rows = []
+    for i in range(max(1, cfg.tokens_per_step // length)):
+        task = tasks.TASKS[rng.randrange(len(tasks.TASKS))]
+        seed = TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i
+        rows.append(encode(tasks.generate(task, 1, length, tokenizer, seed)[0], tokenizer))
+    width = max(len(ids) for ids, _, _ in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    weight = torch.zeros(len(rows), width)
+    for r, (row, question_at, target_at) in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        # weight[t] scores the prediction of token t (from position t - 1)
+        weight[r, 1:question_at] = cfg.context_loss_weight
+        weight[r, target_at:len(row)] = 1.0
+    return ids, weight
+
+
+def loss_fn(model, ids: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    w = weight[:, 1:]
+    answer = w == 1.0
+    answer_nll = float(nll[answer].detach().mean()) if answer.any() else float("nan")
+    return (nll * w).sum() / w.sum(), answer_nll
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, length: int, n: int, seed: int) -> dict[str, float]:
+    """Greedy answer accuracy per task (tasks.score) with full prefill, on held-out seeds."""
+    model.eval()
+    scores = {}
+    for task in tasks.TASKS:
+        total = 0.0
+        for sample in tasks.generate(task, n, length, tokenizer, seed):
+            prompt = tokenizer(sample.prompt).input_ids
+            budget = len(tokenizer(sample.target()).input_ids) + 2
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            total += tasks.score(sample, tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True))
+        scores[task] = total / n
+    model.train()
+    return scores
+
+
+@torch.no_grad()
+def gdn_memory(model, tokenizer, length: int = 1024, n: int = 6, seed: int = 900_000) -> list[dict]:
+    """How far back each GDN head remembers on task text: per token the state decays by exp(g), with
+    g = -exp(A_log) * softplus(a_t + dt_bias); tau = 1 / mean(-g) is the e-folding memory in tokens."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
+    def keep(i, module, args, out):
+        seen[i].append(out.reshape(-1, out.shape[-1]))
+
+    hooks = [la.in_proj_a.register_forward_hook(functools.partial(keep, i))
+             for i, la in enumerate(layers)]
+    model.eval()
+    try:
+        for k, task in enumerate(tasks.TASKS[:n]):
+            sample = tasks.generate(task, 1, length, tokenizer, seed + k)[0]
+            model(input_ids=torch.tensor([tokenizer(sample.prompt).input_ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for i, la in enumerate(layers):
+        a = torch.cat(seen[i]).float()
+        neg_g = la.A_log.float().exp() * torch.nn.functional.softplus(a + la.dt_bias.float())
+        tau = 1.0 / neg_g.mean(0)
+        rows.append({"gdn_layer": i, "tau_tokens_per_head": [round(float(t), 1) for t in tau]})
+    return rows
+
+
+def _resumable(config: dict) -> dict:
+    """What a resumed run must share with the checkpoint's (threads and save/eval cadence may change)."""
+    return {k: v for k, v in config.items() if k not in ("threads", "save_every", "eval_every")}
+
+
+def _checkpoint_path(work: Path) -> Path:
+    return work / "checkpoint.pt"
+
+
+def _save_checkpoint(work: Path, model, opt, step: int, cfg: TrainConfig, log: list) -> None:
+    tmp = work / "checkpoint.pt.tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg),
+                "log": log, "torch_rng": torch.get_rng_state()}, tmp)
+    tmp.replace(_checkpoint_path(work))  # atomic: a killed run never leaves a torn checkpoint
+
+
+def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_after: int | None = None) -> Path | None:
+    """Train (resuming from `work`), then export to `out`. `stop_after` ends the run at that step after its
+    checkpoint, as a killed run would (tests use it); nothing is exported then."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    force_torch_gdn()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    work.mkdir(parents=True, exist_ok=True)
+    init = build_model(PRESET, work / "init", seed=cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, log = 0, []
+    ckpt = _checkpoint_path(work)
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        if _resumable(state["config"]) != _resumable(asdict(cfg)):
+            raise SystemExit(f"{ckpt} was written with another config; use another --work or delete it:\n"
+                             f"  checkpoint: {state['config']}\n  now:        {asdict(cfg)}")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, log = state["step"], state["log"]
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed at step {step}", flush=True)
+    start = time.time()
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        ids, weight = make_batch(cfg, step, tokenizer)
+        loss, answer_nll = loss_fn(model, ids, weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        entry = {"step": step, "loss": round(float(loss), 4), "answer_nll": round(answer_nll, 4),
+                 "len": ids.shape[1], "batch": ids.shape[0], "seconds": round(time.time() - start, 1)}
+        if step % log_every == 0:
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            for length in sorted({min(256, cfg.max_len), min(1024, cfg.max_len)}):
+                acc = exact_match(model, tokenizer, length=length, n=4, seed=500_000 + step)
+                log.append({"step": step, "eval_len": length, "accuracy": acc})
+                print(json.dumps(log[-1]), flush=True)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            _save_checkpoint(work, model, opt, step, cfg, log)
+        if stop_after is not None and step >= stop_after:
+            return None
+    return export(model, init, out, cfg, log)
+
+
+def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
+    """The trained checkpoint beside the init's tokenizer and configs, plus the training record."""
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(init, staging)
+    model.save_pretrained(staging)
+    marker = json.loads((staging / BUILD_MARKER).read_text())
+    marker.update(trained=True, train_config=asdict(cfg))
+    (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    (staging / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    from transformers import AutoTokenizer
+
+    memory = gdn_memory(model, AutoTokenizer.from_pretrained(init))
+    (staging / "gdn_memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+    for f in staging.iterdir():
+        f.chmod(0o644)  # save_pretrained writes 0600 files
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
+
+
+def export_checkpoint(out: Path, work: Path) -> Path:
+    """Export the last checkpoint in `work` as it is (e.g. a run stopped before its last step)."""
+    from transformers import AutoModelForCausalLM
+
+    force_torch_gdn()
+    state = torch.load(_checkpoint_path(work), weights_only=False)
+    cfg = TrainConfig(**state["config"])
+    init = build_model(PRESET, work / "init", seed=cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    model.load_state_dict(state["model"])
+    log = state["log"] + [{"exported_at_step": state["step"]}]
+    return export(model, init, out, cfg, log)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("models/quality-qwen35"))
+    parser.add_argument("--work", type=Path, default=Path(".train/quality-qwen35"),
+                        help="checkpoints; a run resumes from here")
+    for name, field in TrainConfig.__dataclass_fields__.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default)
+    parser.add_argument("--export-only", action="store_true", help="export the checkpoint in --work as it is")
+    args = vars(parser.parse_args(argv))
+    out, work = args.pop("out"), args.pop("work")
+    if args.pop("export_only"):
+        print(export_checkpoint(out, work))
+        return
+    print(train(TrainConfig(**args), out, work))
+
+
+if __name__ == "__main__":
+    main()
