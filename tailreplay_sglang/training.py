@@ -209,7 +209,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        entry = {"step": step, "loss": round(float(loss), 4), "answer_nll": round(answer_nll, 4),
+        entry = {"step": step, "loss": round(float(loss.detach()), 4), "answer_nll": round(answer_nll, 4),
                  "len": ids.shape[1], "batch": ids.shape[0], "seconds": round(time.time() - start, 1)}
         if step % log_every == 0:
             log.append(entry)
