@@ -30,11 +30,6 @@ def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
     return layout.bytes_per_token(dtype.itemsize) + TOKEN_ID_BYTES
 
 
-def default_tier(device) -> str:
-    """Host memory where the device has its own (the paper's setting); in place where they are one (CPU)."""
-    return "host" if torch.device(device).type == "cuda" else "device"
-
-
 class HiddenStore:
     def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device"):
         if tier not in TIERS:

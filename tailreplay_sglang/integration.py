@@ -19,7 +19,7 @@ import torch
 from tailreplay_sglang import capture, pool_report, replay, visibility
 from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token, default_tier
+from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
 from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def create_store(result, runner, *args, **kwargs):
         return result
     layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
-    tier = _State.config.hidden_tier or default_tier(runner.device)
+    tier = _State.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device, tier)
     capture.install(runner.model.model.layers, _State.store)
     from sglang.srt.runtime_context import get_observability

@@ -29,7 +29,7 @@ import torch
 
 from tailreplay_sglang import tasks
 from tailreplay_sglang.models import BUILD_MARKER, build_model
-from tailreplay_sglang.reference import force_torch_gdn
+from tailreplay_sglang.reference import force_torch_gdn, greedy_generate
 
 PRESET = "quality-qwen35"
 TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluation's (bench/quality.py: 0..)
@@ -73,9 +73,8 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 def encode(sample: tasks.Sample, tokenizer) -> tuple[list[int], int, int]:
     """Token ids of prompt + target, and where the question and the target start."""
-    context = tokenizer(sample.context).input_ids
-    question = tokenizer(sample.question).input_ids
-    target = tokenizer(sample.target()).input_ids
+    context, question = tasks.token_ids(sample, tokenizer)
+    target = tokenizer(sample.target(), add_special_tokens=False).input_ids
     return context + question + target, len(context), len(context) + len(question)
 
 
@@ -118,12 +117,10 @@ def exact_match(model, tokenizer, length: int, n: int, seed: int) -> dict[str, f
     for task in tasks.TASKS:
         total = 0.0
         for sample in tasks.generate(task, n, length, tokenizer, seed):
-            prompt = tokenizer(sample.prompt).input_ids
-            budget = len(tokenizer(sample.target()).input_ids) + 2
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            total += tasks.score(sample, tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True))
+            context, question = tasks.token_ids(sample, tokenizer)
+            budget = len(tokenizer(sample.target(), add_special_tokens=False).input_ids) + 2
+            answer = greedy_generate(model, context + question, budget)
+            total += tasks.score(sample, tokenizer.decode(answer, skip_special_tokens=True))
         scores[task] = total / n
     model.train()
     return scores

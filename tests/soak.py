@@ -207,10 +207,6 @@ def run_soak(url: str, cfg: SoakConfig, progress=None) -> SoakReport:
     return report
 
 
-def flush(url: str, timeout: float = 30.0) -> None:
-    flush_cache(url, timeout)
-
-
 def pools(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=60).json()["internal_states"][0][POOLS_KEY]
 
@@ -252,7 +248,7 @@ def check_against_no_cache(url: str, completed: list[Completed], limit: int | No
         by_prompt.setdefault((c.prompt, c.max_new), []).append(c)
     mismatches = []
     for (prompt, max_new), served in itertools.islice(by_prompt.items(), limit):
-        flush(url)
+        flush_cache(url)
         out = requests.post(f"{url}/generate", json=_body(list(prompt), max_new), timeout=300).json()
         assert out["meta_info"]["cached_tokens"] == 0
         found = [f"prompt of {len(prompt)} tokens (cached {c.cached_tokens}, replayed {c.tail_replay_tokens}):"

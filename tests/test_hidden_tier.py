@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
-from tailreplay_sglang.hidden_store import TOKENS, HiddenStore, default_tier
+from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
 from tailreplay_sglang.plugin import _hidden_tier
 from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice
@@ -132,10 +132,6 @@ def test_tier_is_chosen_for_the_device(kw, given, expected):
 def test_host_tier_with_cuda_graphs_is_refused_naming_the_flags():
     with pytest.raises(TailReplayConfigError, match="--tail-replay-hidden-tier host needs --disable-cuda-graph"):
         _hidden_tier(TailReplayConfig(enabled=True, hidden_tier="host"), _args(device="cuda"))
-
-
-def test_default_tier():
-    assert default_tier("cpu") == "device" and default_tier("cuda") == "host"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

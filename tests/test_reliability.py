@@ -19,8 +19,9 @@ import requests
 
 from conftest import generate as shared_generate
 from conftest import start_server
-from soak import SoakConfig, check_against_no_cache, flush, pool_leaks, pools, run_soak, wait_idle
+from soak import SoakConfig, check_against_no_cache, pool_leaks, pools, run_soak, wait_idle
 from tailreplay_sglang.integration import FAULT_REPLAY_DELAY_ENV
+from tailreplay_sglang.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -62,7 +63,7 @@ def generate(server, ids, max_new=8, **extra) -> dict:
 
 
 def no_cache(server, ids, max_new=8) -> list[int]:
-    flush(server.base_url)
+    flush_cache(server.base_url)
     out = generate(server, ids, max_new)
     assert out["meta_info"]["cached_tokens"] == 0
     return out["output_ids"]
@@ -169,7 +170,7 @@ def test_two_requests_replay_the_same_prefix_in_one_batch(server):
 
 def test_hit_whose_prefix_is_evicted_before_it_runs(server):
     prefix, big = random_ids(500, seed=4), random_ids(1300, seed=5)
-    flush(server.base_url)
+    flush_cache(server.base_url)
     generate(server, prefix, max_new=1)
     evicted_before = pools(server.base_url)["evicted_tokens"]
     blocker = in_background(generate, server, prefix + [3], max_new=1)
