@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 BUILD_MARKER = "tailreplay_build.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,6 +74,9 @@ class Preset:
     max_position_embeddings: int
     dtype: str
     moe: MoE | None = None
+    # Train the tokenizer on the task suites' words too (`tasks.vocabulary_texts`), so needle keys, names and
+    # template words are whole tokens: a retrieval model then matches one token per key, not a run of fragments.
+    task_words: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -92,10 +95,10 @@ PRESETS: dict[str, Preset] = {
     ),
     # The quality-evaluation model (`tailreplay_sglang.training`): trained on RULER-style tasks, ~2M parameters.
     "quality-qwen35": Preset(
-        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=384, vocab_size=1024,
+        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=256, vocab_size=1408,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=32768, dtype="float32",
+        max_position_embeddings=32768, dtype="float32", task_words=True,
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
@@ -172,8 +175,9 @@ def training_corpus() -> list[str]:
     return [_sentence(rng) for _ in range(CORPUS_SENTENCES)]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (so any text round-trips) with the ChatML special tokens at ids 0, 1, 2."""
+def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = ()) -> Tokenizer:
+    """Byte-level BPE (so any text round-trips) with the ChatML special tokens at ids 0, 1, 2, trained on
+    `training_corpus()` plus `extra_texts`."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -183,11 +187,20 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(), trainer)
+    tokenizer.train_from_iterator(training_corpus() + list(extra_texts), trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         # The model's vocab must equal the tokenizer's, or sampled ids could not be decoded.
         raise ValueError(f"corpus only supports {tokenizer.get_vocab_size()} tokens, preset wants {vocab_size}")
     return tokenizer
+
+
+def preset_tokenizer(preset: Preset) -> Tokenizer:
+    """The tokenizer a preset's build gets."""
+    if not preset.task_words:
+        return train_tokenizer(preset.vocab_size)
+    from tailreplay_sglang.tasks import vocabulary_texts  # tasks builds on this module's corpus
+
+    return train_tokenizer(preset.vocab_size, vocabulary_texts())
 
 
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -> None:
@@ -317,7 +330,7 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
-    tokenizer = train_tokenizer(preset.vocab_size)
+    tokenizer = preset_tokenizer(preset)
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings)
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)

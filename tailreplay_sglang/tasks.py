@@ -36,6 +36,14 @@ TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking",
 # context's followed by the question's. (Qwen's pre-tokenizer glues "." to a following newline, so bench/quality.py
 # sends the two tokenized apart: the cached prefix is always exactly the context.)
 QUESTION = "\nQuestion: {}\nAnswer:"
+# As in RULER, the answer opens with a prefix that restates what is asked ("The special number for falcon is"), so
+# the answer is the continuation of a phrase in the context.
+ANSWER_PREFIX = {
+    "niah": "The special number for {key} is",
+    "niah_multivalue": "The special numbers for {key} are",
+    "variable_tracking": "The variables equal to {value} are",
+    "common_words": "The {n} most common words are",
+}
 NEEDLE = "The special number for {key} is {value}."
 MULTI_NEEDLES = 4
 VT_CHAINS, VT_NAMES_PER_CHAIN = 2, 4
@@ -53,13 +61,14 @@ NAMES = (
     "Alice", "Omar", "Priya", "Tomas", "Kofi", "Lena", "Ravi", "Sara", "Ivan", "Nadia", "Hugo", "Aiko", "Pablo",
     "Zara", "Emil", "Yusuf", "Ines", "Bruno", "Leila", "Marta",
 )
-# (fact, question, values): values of four letters or more, so a plain substring match has few accidental hits.
+# (fact, question, answer prefix, values): values of four letters or more, so a plain substring match has few
+# accidental hits.
 QA_RELATIONS = (
-    ("{p} keeps a pet {x} at home.", "What pet does {p} keep?",
+    ("{p} keeps a pet {x} at home.", "What pet does {p} keep?", "{p} keeps a pet",
      ("horse", "rabbit", "parrot", "goat", "turtle", "hamster", "donkey", "ferret", "camel", "llama")),
-    ("{p} was born in the town of {x}.", "In which town was {p} born?",
+    ("{p} was born in the town of {x}.", "In which town was {p} born?", "{p} was born in the town of",
      ("Lima", "Oslo", "Cairo", "Delhi", "Tokyo", "Rome", "Quito", "Dakar", "Perth", "Riga")),
-    ("{p} likes the colour {x} best.", "Which colour does {p} like best?",
+    ("{p} likes the colour {x} best.", "Which colour does {p} like best?", "{p} likes the colour",
      ("yellow", "purple", "orange", "pink", "grey", "brown", "black", "white", "gold", "crimson")),
 )
 
@@ -97,8 +106,8 @@ def generate(task: str, n: int, length_tokens: int, tokenizer, seed: int) -> lis
     samples = []
     for i in range(n):
         rng = random.Random(f"{task}/{length_tokens}/{seed}/{i}")  # str seeds hash the same in every process
-        context, question, answers = build(rng, tokenizer, length_tokens)
-        samples.append(Sample(task, context, QUESTION.format(question), tuple(answers)))
+        context, question, prefix, answers = build(rng, tokenizer, length_tokens)
+        samples.append(Sample(task, context, ask(question, prefix), tuple(answers)))
     return samples
 
 
@@ -111,8 +120,60 @@ def conversation(turns: int, length_tokens: int, tokenizer, seed: int) -> list[S
     keys, values = rng.sample(KEYS, turns), _numbers(rng, turns)
     context = _document(rng, tokenizer, length_tokens, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)])
     order = rng.sample(range(turns), turns)
-    return [Sample("conversation", context, QUESTION.format(f"What is the special number for {keys[i]}?"),
-                   (values[i],)) for i in order]
+    return [Sample("conversation", context, _ask_number(keys[i]), (values[i],)) for i in order]
+
+
+def ask(question: str, prefix: str = "") -> str:
+    """The question suffix: the question, then "Answer:" and the answer's prefix, if any."""
+    return QUESTION.format(question) + (f" {prefix}" if prefix else "")
+
+
+def _ask_number(key: str) -> str:
+    return ask(f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key))
+
+
+def vocabulary_texts(repeats: int = 2) -> tuple[str, ...]:
+    """Every template and word the tasks use, a few times over: added to a tokenizer's corpus (the quality model's,
+    `models.Preset.task_words`) so keys, names and template words become whole tokens."""
+    rng = random.Random("vocabulary")
+    texts = []
+    for _ in range(repeats):
+        for key in KEYS:
+            (value,) = _numbers(rng, 1)
+            texts += [NEEDLE.format(key=key, value=value), _ask_number(key) + f" {value}.",
+                      ask(f"What are all the special numbers for {key}?",
+                          ANSWER_PREFIX["niah_multivalue"].format(key=key))]
+        for fact, question, prefix, values in QA_RELATIONS:
+            for person in NAMES:
+                texts += [fact.format(p=person, x=rng.choice(values)),
+                          ask(question.format(p=person), prefix.format(p=person))]
+        texts += [f"VAR {name} = {value}." for name, value in zip(("ABCD", "QRST"), _numbers(rng, 2))]
+        value = _numbers(rng, 1)[0]
+        texts += [ask(f"Which variables are equal to {value}?",
+                      ANSWER_PREFIX["variable_tracking"].format(value=value)),
+                  ask(f"What are the {CWE_TOP} most common words in the list?",
+                      ANSWER_PREFIX["common_words"].format(n=CWE_TOP))]
+    return tuple(texts)
+
+
+def recall_drill(rng: random.Random, tokenizer, length_tokens: int, facts: int) -> tuple[str, list[tuple[str, str]]]:
+    """A training document in the style of MQAR: `facts` needles and QA facts (distinct keys and people) in
+    filler, and every one of them asked, in random order: (context, [(question, target), ...]). Many answers per
+    document give retrieval a dense learning signal; each question is asked as the evaluation asks it."""
+    n_keys = rng.randint(0, min(facts, len(KEYS)))
+    n_people = min(facts - n_keys, len(NAMES))
+    keys, values = rng.sample(KEYS, n_keys), _numbers(rng, n_keys)
+    needles = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+    asked = [(_ask_number(k), v) for k, v in zip(keys, values)]
+    for person in rng.sample(NAMES, n_people):
+        fact, question, prefix, choices = rng.choice(QA_RELATIONS)
+        value = rng.choice(choices)
+        needles.append(fact.format(p=person, x=value))
+        asked.append((ask(question.format(p=person), prefix.format(p=person)), value))
+    order = rng.sample(range(len(needles)), len(needles))  # needles go in at random depths, in a random order
+    context = _document(rng, tokenizer, length_tokens, [needles[i] for i in order])
+    rng.shuffle(asked)
+    return context, [(q, f" {a}.") for q, a in asked]
 
 
 def score(sample: Sample, prediction: str) -> float:
@@ -166,20 +227,22 @@ def _numbers(rng: random.Random, k: int) -> list[str]:
 def _niah_single(rng, tokenizer, length):
     key, (value,) = rng.choice(KEYS), _numbers(rng, 1)
     context = _document(rng, tokenizer, length, [NEEDLE.format(key=key, value=value)])
-    return context, f"What is the special number for {key}?", [value]
+    return context, f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key), [value]
 
 
 def _niah_multikey(rng, tokenizer, length):
     keys, values = rng.sample(KEYS, MULTI_NEEDLES), _numbers(rng, MULTI_NEEDLES)
     context = _document(rng, tokenizer, length, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)])
     asked = rng.randrange(MULTI_NEEDLES)
-    return context, f"What is the special number for {keys[asked]}?", [values[asked]]
+    key = keys[asked]
+    return context, f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key), [values[asked]]
 
 
 def _niah_multivalue(rng, tokenizer, length):
     key, values = rng.choice(KEYS), _numbers(rng, MULTI_NEEDLES)
     context = _document(rng, tokenizer, length, [NEEDLE.format(key=key, value=v) for v in values])
-    return context, f"What are all the special numbers for {key}?", values  # in the order they appear
+    prefix = ANSWER_PREFIX["niah_multivalue"].format(key=key)
+    return context, f"What are all the special numbers for {key}?", prefix, values  # in the order they appear
 
 
 def _variable_tracking(rng, tokenizer, length):
@@ -196,7 +259,8 @@ def _variable_tracking(rng, tokenizer, length):
     rng.shuffle(picks)
     needles = [statements[c].pop(0) for c in picks]
     context = _document(rng, tokenizer, length, needles)
-    return context, f"Which variables are equal to {values[0]}?", chains[0]
+    prefix = ANSWER_PREFIX["variable_tracking"].format(value=values[0])
+    return context, f"Which variables are equal to {values[0]}?", prefix, chains[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,15 +289,16 @@ def _common_words(rng, tokenizer, length):
             budget -= cost[w]
     words = [w for w, c in counts.items() for _ in range(c)]
     rng.shuffle(words)
-    return " ".join(words), f"What are the {CWE_TOP} most common words in the list?", top  # most frequent first
+    question, prefix = f"What are the {CWE_TOP} most common words in the list?", ANSWER_PREFIX["common_words"]
+    return " ".join(words), question, prefix.format(n=CWE_TOP), top  # most frequent first
 
 
 def _qa(rng, tokenizer, length):
-    fact, question, choices = rng.choice(QA_RELATIONS)
+    fact, question, prefix, choices = rng.choice(QA_RELATIONS)
     people, values = rng.sample(NAMES, QA_FACTS), rng.sample(choices, QA_FACTS)
     context = _document(rng, tokenizer, length, [fact.format(p=p, x=x) for p, x in zip(people, values)])
-    asked = rng.randrange(QA_FACTS)
-    return context, question.format(p=people[asked]), [values[asked]]
+    person = people[rng.randrange(QA_FACTS)]
+    return context, question.format(p=person), prefix.format(p=person), [values[people.index(person)]]
 
 
 _BUILDERS = {

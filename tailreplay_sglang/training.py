@@ -8,8 +8,11 @@ seeds than the evaluation's) until full prefill answers them: retrieval through 
 whatever its GDN layers learn to carry. Seeded and resumable: a checkpoint (weights, optimizer, step, RNG states)
 is written to `--work` every `--save-every` steps and picked up by the next run with the same config.
 
-Loss: cross-entropy on the answer tokens (what the tasks score), plus a small language-model term on the context so
-the model keeps modelling its document. Context lengths follow a curriculum from short to `--max-len`, since
+Data: half the rows are the evaluation's task suites (one question each), half are recall drills
+(`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), since one answer per
+long document is too sparse a signal for retrieval to emerge in a CPU-sized run. Loss: cross-entropy on the answer
+tokens (what the tasks score), plus a small language-model term on the context so the model keeps modelling its
+document. Context lengths follow a curriculum from short to `--max-len`, since
 retrieval is learnt fastest on short haystacks and then carries over to longer ones.
 """
 
@@ -37,19 +40,21 @@ TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluat
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2000
+    steps: int = 1800
     tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
-    min_len: int = 64
+    min_len: int = 128
     max_len: int = 2048
-    curriculum_steps: int = 1000  # the length range widens from [min_len, 2 * min_len] to [min_len, max_len]
+    curriculum_steps: int = 900  # the length range widens from [min_len, 2 * min_len] to [min_len, max_len]
     lr: float = 2e-3
-    warmup: int = 50
+    warmup: int = 100
     weight_decay: float = 0.01
     context_loss_weight: float = 0.05
+    drill_share: float = 0.5  # of the rows: recall drills; the rest are task samples
+    max_drill_facts: int = 16
     seed: int = 0
     threads: int = 2
     save_every: int = 50
-    eval_every: int = 250
+    eval_every: int = 500
 
     def __post_init__(self):
         if not 0 < self.min_len <= self.max_len:
@@ -78,25 +83,47 @@ def encode(sample: tasks.Sample, tokenizer) -> tuple[list[int], int, int]:
     return context + question + target, len(context), len(context) + len(question)
 
 
+def encode_drill(context: str, questions: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of a drill (context, then each question and its target), and the [start, end) of each target."""
+    ids = tokenizer(context).input_ids
+    targets = []
+    for question, target in questions:
+        ids += tokenizer(question, add_special_tokens=False).input_ids
+        answer = tokenizer(target, add_special_tokens=False).input_ids
+        targets.append((len(ids), len(ids) + len(answer)))
+        ids += answer
+    return ids, targets
+
+
+def make_row(cfg: TrainConfig, rng: random.Random, length: int, tokenizer, seed: int) -> tuple[list[int], list[float]]:
+    """One training row: its token ids and the loss weight of each (weight[t] scores predicting token t)."""
+    if rng.random() < cfg.drill_share:
+        facts = rng.randint(2, max(2, min(cfg.max_drill_facts, length // 32)))
+        ids, targets = encode_drill(*tasks.recall_drill(rng, tokenizer, length, facts), tokenizer)
+        context_end = targets[0][0]
+    else:
+        task = tasks.TASKS[rng.randrange(len(tasks.TASKS))]
+        ids, context_end, target_at = encode(tasks.generate(task, 1, length, tokenizer, seed)[0], tokenizer)
+        targets = [(target_at, len(ids))]
+    weight = [0.0] + [cfg.context_loss_weight] * (context_end - 1) + [0.0] * (len(ids) - context_end)
+    for start, end in targets:
+        weight[start:end] = [1.0] * (end - start)
+    return ids, weight
+
+
 def make_batch(cfg: TrainConfig, step: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """One length, several tasks: (input ids [B, T], loss weights [B, T] on the positions predicting each token)."""
+    """One length, several rows: (input ids [B, T], loss weights [B, T] on the positions predicting each token)."""
     rng = random.Random(cfg.seed * 7919 + step)
     lo, hi = length_range(cfg, step)
     length = rng.randint(lo, hi)
-    rows = []
-    for i in range(max(1, cfg.tokens_per_step // length)):
-        task = tasks.TASKS[rng.randrange(len(tasks.TASKS))]
-        seed = TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i
-        rows.append(encode(tasks.generate(task, 1, length, tokenizer, seed)[0], tokenizer))
-    width = max(len(ids) for ids, _, _ in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    rows = [make_row(cfg, rng, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
+            for i in range(max(1, cfg.tokens_per_step // length))]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     weight = torch.zeros(len(rows), width)
-    for r, (row, question_at, target_at) in enumerate(rows):
+    for r, (row, w) in enumerate(rows):
         ids[r, :len(row)] = torch.tensor(row)
-        # weight[t] scores the prediction of token t (from position t - 1)
-        weight[r, 1:question_at] = cfg.context_loss_weight
-        weight[r, target_at:len(row)] = 1.0
+        weight[r, :len(w)] = torch.tensor(w)
     return ids, weight
 
 

@@ -10,13 +10,22 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tailreplay_sglang import tasks
-from tailreplay_sglang.models import sentence, train_tokenizer
+from tailreplay_sglang.models import PRESETS, preset_tokenizer, sentence
 
 
 @pytest.fixture(scope="module")
 def tok():
-    # The tokenizer of the `small` and quality-qwen35 presets (the same builder, vocabulary 1024), without weights.
-    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(1024))
+    # The quality model's tokenizer (task words are whole tokens), without weights.
+    return PreTrainedTokenizerFast(tokenizer_object=preset_tokenizer(PRESETS["quality-qwen35"]))
+
+
+def test_the_quality_tokenizer_keeps_task_words_whole(tok):
+    """Needle keys, names and template words are single tokens: retrieval then matches one token per key."""
+    def pieces(text):
+        return len(tok(text, add_special_tokens=False).input_ids)
+
+    assert all(pieces(" " + w) == 1 for w in tasks.KEYS + tasks.NAMES + ("special", "number"))
+    assert pieces("Question") == pieces("Answer") == 1
 
 
 @pytest.mark.parametrize("task", tasks.TASKS)
@@ -43,7 +52,7 @@ def test_prompt_ids_are_context_ids_then_question_ids(task, tok):
     for sample in tasks.generate(task, 3, 512, tok, seed=3):
         context, question = tasks.token_ids(sample, tok)
         assert tok(sample.prompt).input_ids == context + question
-        assert sample.question.startswith("\n") and sample.question.endswith("Answer:")
+        assert sample.question.startswith("\nQuestion: ") and "\nAnswer: " in sample.question
         assert tok(sample.prompt + sample.target()).input_ids[:len(context) + len(question)] == context + question
 
 
@@ -111,7 +120,7 @@ def test_common_words_are_the_most_frequent(tok):
 def test_qa_fact_names_the_asked_person(tok):
     for sample in tasks.generate("qa", 6, 1024, tok, seed=0):
         person = next(name for name in tasks.NAMES if name in sample.question)
-        facts = [f for f, _, _ in tasks.QA_RELATIONS]
+        facts = [f for f, _, _, _ in tasks.QA_RELATIONS]
         assert any(f.format(p=person, x=sample.answers[0]) in sample.context for f in facts)
         assert sum(sample.context.count(name) for name in tasks.NAMES) == tasks.QA_FACTS
 

@@ -1,12 +1,15 @@
 """The quality model's training script is seeded and resumable: a run killed after a checkpoint and resumed ends
 with exactly the weights of an uninterrupted run, and the export is a checkpoint that transformers loads."""
 
+import random
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tailreplay_sglang import tasks
-from tailreplay_sglang.training import TrainConfig, length_range, make_batch, train
+from tailreplay_sglang.training import TrainConfig, encode_drill, length_range, make_batch, train
 
 TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, curriculum_steps=2, save_every=2,
                    eval_every=1000, threads=1, warmup=1)
@@ -40,7 +43,28 @@ def test_batches_are_deterministic_and_weight_only_answers_fully(tmp_path):
     ids, weight = make_batch(TINY, 3, tok)
     again, _ = make_batch(TINY, 3, tok)
     assert torch.equal(ids, again)
-    assert ids.shape[1] <= 256 + 64  # context + question + answer
     assert ((weight == 1.0).sum(1) > 0).all()  # every row has answer tokens
+    for row, w in zip(ids, weight):
+        # The fully weighted tokens are the answers: each a space, a value, a full stop, right after the answer prefix.
+        answers = tok.decode(row[w == 1.0])
+        assert re.fullmatch(r"( [A-Za-z0-9 ]+\.)+", answers), answers
+        assert (w[0] == 0) and (w[(w > 0) & (w < 1)] == TINY.context_loss_weight).all()
     assert length_range(TINY, 0) == (128, 256) and length_range(TINY, 10) == (128, 256)
     assert set(tasks.TASKS) >= {"niah_single", "qa"}
+
+
+def test_a_recall_drill_asks_every_fact_it_holds(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from tailreplay_sglang.models import PRESETS, preset_tokenizer
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=preset_tokenizer(PRESETS["quality-qwen35"]))
+    context, questions = tasks.recall_drill(random.Random(0), tok, 1024, facts=12)
+    assert context == tasks.recall_drill(random.Random(0), tok, 1024, facts=12)[0]
+    assert len(questions) == 12 and len({q for q, _ in questions}) == 12
+    for question, target in questions:
+        value = target.strip(" .")
+        assert question.startswith("\nQuestion: ") and "\nAnswer: " in question
+        assert f" {value}" in context  # the answer is in the document
+    ids, targets = encode_drill(context, questions, tok)
+    assert [tok.decode(ids[a:b]) for a, b in targets] == [t for _, t in questions]
