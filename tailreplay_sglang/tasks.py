@@ -128,8 +128,13 @@ def ask(question: str, prefix: str = "") -> str:
     return QUESTION.format(question) + (f" {prefix}" if prefix else "")
 
 
+def _number_question(key: str) -> tuple[str, str]:
+    """(question, answer prefix) asking for a key's special number."""
+    return f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key)
+
+
 def _ask_number(key: str) -> str:
-    return ask(f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key))
+    return ask(*_number_question(key))
 
 
 def vocabulary_texts(repeats: int = 2) -> tuple[str, ...]:
@@ -227,15 +232,14 @@ def _numbers(rng: random.Random, k: int) -> list[str]:
 def _niah_single(rng, tokenizer, length):
     key, (value,) = rng.choice(KEYS), _numbers(rng, 1)
     context = _document(rng, tokenizer, length, [NEEDLE.format(key=key, value=value)])
-    return context, f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key), [value]
+    return context, *_number_question(key), [value]
 
 
 def _niah_multikey(rng, tokenizer, length):
     keys, values = rng.sample(KEYS, MULTI_NEEDLES), _numbers(rng, MULTI_NEEDLES)
     context = _document(rng, tokenizer, length, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)])
     asked = rng.randrange(MULTI_NEEDLES)
-    key = keys[asked]
-    return context, f"What is the special number for {key}?", ANSWER_PREFIX["niah"].format(key=key), [values[asked]]
+    return context, *_number_question(keys[asked]), [values[asked]]
 
 
 def _niah_multivalue(rng, tokenizer, length):

@@ -76,35 +76,28 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def encode(sample: tasks.Sample, tokenizer) -> tuple[list[int], int, int]:
-    """Token ids of prompt + target, and where the question and the target start."""
-    context, question = tasks.token_ids(sample, tokenizer)
-    target = tokenizer(sample.target(), add_special_tokens=False).input_ids
-    return context + question + target, len(context), len(context) + len(question)
-
-
-def encode_drill(context: str, questions: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of a drill (context, then each question and its target), and the [start, end) of each target."""
+def encode(context: str, questions: list[tuple[str, str]], tokenizer) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """Token ids of a document and its (question, target) pairs, in turn; where the context ends; and the
+    [start, end) of each target. The context is tokenized apart from the questions, as the evaluation sends it."""
     ids = tokenizer(context).input_ids
-    targets = []
+    context_end, targets = len(ids), []
     for question, target in questions:
         ids += tokenizer(question, add_special_tokens=False).input_ids
         answer = tokenizer(target, add_special_tokens=False).input_ids
         targets.append((len(ids), len(ids) + len(answer)))
         ids += answer
-    return ids, targets
+    return ids, context_end, targets
 
 
 def make_row(cfg: TrainConfig, rng: random.Random, length: int, tokenizer, seed: int) -> tuple[list[int], list[float]]:
     """One training row: its token ids and the loss weight of each (weight[t] scores predicting token t)."""
     if rng.random() < cfg.drill_share:
         facts = rng.randint(2, max(2, min(cfg.max_drill_facts, length // 32)))
-        ids, targets = encode_drill(*tasks.recall_drill(rng, tokenizer, length, facts), tokenizer)
-        context_end = targets[0][0]
+        context, questions = tasks.recall_drill(rng, tokenizer, length, facts)
     else:
-        task = tasks.TASKS[rng.randrange(len(tasks.TASKS))]
-        ids, context_end, target_at = encode(tasks.generate(task, 1, length, tokenizer, seed)[0], tokenizer)
-        targets = [(target_at, len(ids))]
+        sample = tasks.generate(tasks.TASKS[rng.randrange(len(tasks.TASKS))], 1, length, tokenizer, seed)[0]
+        context, questions = sample.context, [(sample.question, sample.target())]
+    ids, context_end, targets = encode(context, questions, tokenizer)
     weight = [0.0] + [cfg.context_loss_weight] * (context_end - 1) + [0.0] * (len(ids) - context_end)
     for start, end in targets:
         weight[start:end] = [1.0] * (end - start)

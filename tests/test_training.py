@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tailreplay_sglang import tasks
-from tailreplay_sglang.training import TrainConfig, encode_drill, length_range, make_batch, train
+from tailreplay_sglang.training import TrainConfig, encode, length_range, make_batch, train
 
 TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, curriculum_steps=2, save_every=2,
                    eval_every=1000, threads=1, warmup=1)
@@ -66,5 +66,6 @@ def test_a_recall_drill_asks_every_fact_it_holds(tmp_path):
         value = target.strip(" .")
         assert question.startswith("\nQuestion: ") and "\nAnswer: " in question
         assert f" {value}" in context  # the answer is in the document
-    ids, targets = encode_drill(context, questions, tok)
+    ids, context_end, targets = encode(context, questions, tok)
+    assert ids[:context_end] == tok(context).input_ids
     assert [tok.decode(ids[a:b]) for a, b in targets] == [t for _, t in questions]
