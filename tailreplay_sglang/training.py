@@ -8,12 +8,16 @@ seeds than the evaluation's) until full prefill answers them: retrieval through 
 whatever its GDN layers learn to carry. Seeded and resumable: a checkpoint (weights, optimizer, step, RNG states)
 is written to `--work` every `--save-every` steps and picked up by the next run with the same config.
 
-Data: half the rows are the evaluation's task suites (one question each), half are recall drills
-(`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), since one answer per
-long document is too sparse a signal for retrieval to emerge in a CPU-sized run. Loss: cross-entropy on the answer
-tokens (what the tasks score), plus a small language-model term on the context so the model keeps modelling its
-document. Context lengths follow a curriculum from short to `--max-len`, since
-retrieval is learnt fastest on short haystacks and then carries over to longer ones.
+Data, in two stages. Recipes 1 and 2 (docs/quality.md) sat at chance for 2000 steps: retrieval needs an
+induction-head copy circuit, and the sparse answers of task documents did not start one. So the run opens with
+`copy_steps` of a copy drill (a random token segment, then the same segment again; loss on the repeat), whose
+alphabet grows from 64 token ids to the whole vocabulary, since the circuit forms sooner on a small alphabet. Then
+the task mix: half the rows are the evaluation's task suites (one question each), half are recall drills
+(`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), and `copy_share` of
+the rows stay copy drills to keep the circuit. Loss per row: the mean cross-entropy on its answer (or repeat) tokens,
+plus `context_loss_weight` x the mean language-model loss on its document, so the model keeps modelling text;
+rows count alike however long. Context lengths follow a curriculum from short to `--max-len`, since retrieval is
+learnt fastest on short haystacks and then carries over to longer ones.
 """
 
 from __future__ import annotations
@@ -40,13 +44,15 @@ TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluat
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1800
+    steps: int = 3000
     tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
     min_len: int = 128
     max_len: int = 2048
-    curriculum_steps: int = 900  # the length range widens from [min_len, 2 * min_len] to [min_len, max_len]
-    lr: float = 2e-3
-    warmup: int = 100
+    copy_steps: int = 800  # stage 1: copy drills only, at min_len, alphabet from COPY_ALPHABET to the vocabulary
+    copy_share: float = 0.15  # stage 2: of the rows, copy drills
+    curriculum_steps: int = 1500  # after copy_steps, the length range widens from [min_len, 2 min_len] to max_len
+    lr: float = 3e-3
+    warmup: int = 50
     weight_decay: float = 0.01
     context_loss_weight: float = 0.05
     drill_share: float = 0.5  # of the rows: recall drills; the rest are task samples
@@ -59,12 +65,21 @@ class TrainConfig:
     def __post_init__(self):
         if not 0 < self.min_len <= self.max_len:
             raise ValueError(f"need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if not 0 <= self.copy_share <= 1 or not 0 <= self.drill_share <= 1:
+            raise ValueError("copy_share and drill_share are fractions of the rows, in [0, 1]")
         if self.tokens_per_step < self.max_len:
             raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must hold one max_len sequence")
 
 
+# Token kinds of a row: what its loss counts.
+IGNORE, CONTEXT, ANSWER, REPEAT = 0, 1, 2, 3
+COPY_ALPHABET = 64  # token ids in the first copy drills
+
+
 def length_range(cfg: TrainConfig, step: int) -> tuple[int, int]:
-    frac = min(1.0, step / max(1, cfg.curriculum_steps))
+    if step < cfg.copy_steps:
+        return cfg.min_len, cfg.min_len
+    frac = min(1.0, (step - cfg.copy_steps) / max(1, cfg.curriculum_steps))
     hi = int(min(cfg.max_len, 2 * cfg.min_len) * (1 - frac) + cfg.max_len * frac)
     return cfg.min_len, max(cfg.min_len, hi)
 
@@ -89,8 +104,39 @@ def encode(context: str, questions: list[tuple[str, str]], tokenizer) -> tuple[l
     return ids, context_end, targets
 
 
-def make_row(cfg: TrainConfig, rng: random.Random, length: int, tokenizer, seed: int) -> tuple[list[int], list[float]]:
-    """One training row: its token ids and the loss weight of each (weight[t] scores predicting token t)."""
+def copy_alphabet(cfg: TrainConfig, step: int, vocab: int) -> int:
+    """How many token ids a copy drill draws from: COPY_ALPHABET for the first half of stage 1 (on the full
+    vocabulary the loss sat at ln V for 540 steps; on 64 ids it broke at step 300), then geometrically to `vocab`."""
+    frac = min(1.0, max(0.0, 2 * step / max(1, cfg.copy_steps) - 1))
+    return int(round(COPY_ALPHABET * (vocab / COPY_ALPHABET) ** frac))
+
+
+@functools.lru_cache(maxsize=4)
+def _copy_order(seed: int, vocab: int, special: tuple[int, ...]) -> list[int]:
+    ids = sorted(set(range(vocab)) - set(special))
+    random.Random(seed).shuffle(ids)
+    return ids
+
+
+def copy_order(cfg: TrainConfig, tokenizer) -> list[int]:
+    """The token ids in the order copy drills take them up: a growing alphabet keeps the ids it started with (a
+    fixed small alphabet, as in the probe that broke the plateau; one drawn afresh per row stayed at ln V)."""
+    return _copy_order(cfg.seed, len(tokenizer), tuple(tokenizer.all_special_ids))
+
+
+def copy_row(rng: random.Random, length: int, alphabet: list[int]) -> tuple[list[int], list[int]]:
+    """A random segment then the same segment again: the repeat is predictable only by copying."""
+    half = length // 2
+    segment = [rng.choice(alphabet) for _ in range(half)]
+    return segment + segment, [IGNORE] * half + [REPEAT] * half
+
+
+def make_row(cfg: TrainConfig, rng: random.Random, step: int, length: int, tokenizer, seed: int
+             ) -> tuple[list[int], list[int]]:
+    """One training row: its token ids and the kind of each (kind[t] says how predicting token t counts)."""
+    if step < cfg.copy_steps or rng.random() < cfg.copy_share:
+        order = copy_order(cfg, tokenizer)
+        return copy_row(rng, length, order[:copy_alphabet(cfg, step, len(order))])
     if rng.random() < cfg.drill_share:
         facts = rng.randint(2, max(2, min(cfg.max_drill_facts, length // 32)))
         context, questions = tasks.recall_drill(rng, tokenizer, length, facts)
@@ -98,35 +144,42 @@ def make_row(cfg: TrainConfig, rng: random.Random, length: int, tokenizer, seed:
         sample = tasks.generate(tasks.TASKS[rng.randrange(len(tasks.TASKS))], 1, length, tokenizer, seed)[0]
         context, questions = sample.context, [(sample.question, sample.target())]
     ids, context_end, targets = encode(context, questions, tokenizer)
-    weight = [0.0] + [cfg.context_loss_weight] * (context_end - 1) + [0.0] * (len(ids) - context_end)
+    kind = [IGNORE] + [CONTEXT] * (context_end - 1) + [IGNORE] * (len(ids) - context_end)
     for start, end in targets:
-        weight[start:end] = [1.0] * (end - start)
-    return ids, weight
+        kind[start:end] = [ANSWER] * (end - start)
+    return ids, kind
 
 
 def make_batch(cfg: TrainConfig, step: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """One length, several rows: (input ids [B, T], loss weights [B, T] on the positions predicting each token)."""
+    """One length, several rows: (input ids [B, T], token kinds [B, T]; padding is IGNORE)."""
     rng = random.Random(cfg.seed * 7919 + step)
     lo, hi = length_range(cfg, step)
     length = rng.randint(lo, hi)
-    rows = [make_row(cfg, rng, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
+    rows = [make_row(cfg, rng, step, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
             for i in range(max(1, cfg.tokens_per_step // length))]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    weight = torch.zeros(len(rows), width)
-    for r, (row, w) in enumerate(rows):
+    kind = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, (row, k) in enumerate(rows):
         ids[r, :len(row)] = torch.tensor(row)
-        weight[r, :len(w)] = torch.tensor(w)
-    return ids, weight
+        kind[r, :len(k)] = torch.tensor(k)
+    return ids, kind
 
 
-def loss_fn(model, ids: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _row_mean(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (nll * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def loss_fn(model, ids: torch.Tensor, kind: torch.Tensor, context_weight: float) -> tuple[torch.Tensor, dict]:
+    """Mean over rows of (mean target NLL + context_weight x mean context NLL); and the NLL per kind, to log."""
     logits = model(input_ids=ids).logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    w = weight[:, 1:]
-    answer = w == 1.0
-    answer_nll = float(nll[answer].detach().mean()) if answer.any() else float("nan")
-    return (nll * w).sum() / w.sum(), answer_nll
+    kind = kind[:, 1:]
+    target = ((kind == ANSWER) | (kind == REPEAT)).float()
+    loss = (_row_mean(nll, target) + context_weight * _row_mean(nll, (kind == CONTEXT).float())).mean()
+    parts = {name: round(float(nll[kind == k].detach().mean()), 4)
+             for name, k in (("answer_nll", ANSWER), ("repeat_nll", REPEAT)) if (kind == k).any()}
+    return loss, parts
 
 
 @torch.no_grad()
@@ -219,14 +272,14 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        ids, weight = make_batch(cfg, step, tokenizer)
-        loss, answer_nll = loss_fn(model, ids, weight)
+        ids, kind = make_batch(cfg, step, tokenizer)
+        loss, parts = loss_fn(model, ids, kind, cfg.context_loss_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        entry = {"step": step, "loss": round(float(loss.detach()), 4), "answer_nll": round(answer_nll, 4),
+        entry = {"step": step, "loss": round(float(loss.detach()), 4), **parts,
                  "len": ids.shape[1], "batch": ids.shape[0], "seconds": round(time.time() - start, 1)}
         if step % log_every == 0:
             log.append(entry)

@@ -9,10 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from tailreplay_sglang import tasks
-from tailreplay_sglang.training import TrainConfig, encode, length_range, make_batch, train
+from tailreplay_sglang.training import (
+    ANSWER, CONTEXT, COPY_ALPHABET, IGNORE, REPEAT, TrainConfig, copy_alphabet, copy_order, encode, length_range,
+    make_batch, train,
+)
 
-TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, curriculum_steps=2, save_every=2,
-                   eval_every=1000, threads=1, warmup=1)
+# Step 0-1: copy drills; steps 2-3: the task mix.
+TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, copy_steps=2, copy_share=0.0,
+                   curriculum_steps=2, save_every=2, eval_every=1000, threads=1, warmup=1)
 
 
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
@@ -34,23 +38,45 @@ def test_resuming_with_another_config_is_refused(tmp_path):
         train(TrainConfig(**{**TINY.__dict__, "lr": 1.0}), tmp_path / "m", tmp_path / "work")
 
 
-def test_batches_are_deterministic_and_weight_only_answers_fully(tmp_path):
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from tailreplay_sglang.models import build_model
 
-    tok = AutoTokenizer.from_pretrained(build_model("quality-qwen35", tmp_path / "init"))
-    ids, weight = make_batch(TINY, 3, tok)
+    return AutoTokenizer.from_pretrained(build_model("quality-qwen35", tmp_path_factory.mktemp("init")))
+
+
+def test_batches_are_deterministic_and_weight_only_answers_fully(tok):
+    ids, kind = make_batch(TINY, 3, tok)
     again, _ = make_batch(TINY, 3, tok)
     assert torch.equal(ids, again)
-    assert ((weight == 1.0).sum(1) > 0).all()  # every row has answer tokens
-    for row, w in zip(ids, weight):
-        # The fully weighted tokens are the answers: each a space, a value, a full stop, right after the answer prefix.
-        answers = tok.decode(row[w == 1.0])
+    assert ((kind == ANSWER).sum(1) > 0).all()  # every row has answer tokens
+    assert not (kind == REPEAT).any()  # copy_share 0: no copy drills after stage 1
+    for row, k in zip(ids, kind):
+        # The answer tokens: each a space, a value, a full stop, right after the answer prefix.
+        answers = tok.decode(row[k == ANSWER])
         assert re.fullmatch(r"( [A-Za-z0-9 ]+\.)+", answers), answers
-        assert (w[0] == 0) and (w[(w > 0) & (w < 1)] == TINY.context_loss_weight).all()
-    assert length_range(TINY, 0) == (128, 256) and length_range(TINY, 10) == (128, 256)
+        assert k[0] == IGNORE and (k == CONTEXT).sum() > 64
+    assert length_range(TINY, 0) == (128, 128) and length_range(TINY, 10) == (128, 256)
     assert set(tasks.TASKS) >= {"niah_single", "qa"}
+
+
+def test_copy_drills_repeat_a_segment_from_a_growing_nested_alphabet(tok):
+    cfg = TrainConfig(copy_steps=100, copy_share=0.5)
+    order = copy_order(cfg, tok)
+    assert len(order) == len(set(order)) == len(tok) - len(tok.all_special_ids)
+    sizes = [copy_alphabet(cfg, step, len(order)) for step in (0, 50, 75, 100, 200)]
+    assert sizes[0] == sizes[1] == COPY_ALPHABET and sizes[1] < sizes[2] < sizes[3] == sizes[4] == len(order)
+    ids, kind = make_batch(cfg, 0, tok)
+    assert ids.shape == (cfg.tokens_per_step // cfg.min_len, cfg.min_len)
+    half = cfg.min_len // 2
+    assert torch.equal(ids[:, :half], ids[:, half:])  # the repeat is the segment
+    assert (kind[:, :half] == IGNORE).all() and (kind[:, half:] == REPEAT).all()  # and only the repeat is scored
+    assert set(ids.flatten().tolist()) <= set(order[:COPY_ALPHABET])
+    _, kind = make_batch(cfg, 150, tok)  # stage 2 keeps some copy drills beside the task rows
+    is_copy = (kind == REPEAT).any(1)
+    assert is_copy.any() and (~is_copy).any()
 
 
 def test_a_recall_drill_asks_every_fact_it_holds(tmp_path):
