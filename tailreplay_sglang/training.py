@@ -10,8 +10,10 @@ is written to `--work` every `--save-every` steps and picked up by the next run 
 
 Data, in two stages. Recipes 1 and 2 (docs/quality.md) sat at chance for 2000 steps: retrieval needs an
 induction-head copy circuit, and the sparse answers of task documents did not start one. So the run opens with
-`copy_steps` of a copy drill (a random token segment, then the same segment again; loss on the repeat), whose
-alphabet grows from 64 token ids to the whole vocabulary, since the circuit forms sooner on a small alphabet. Then
+a copy drill (a random token segment, then the same segment again; loss on the repeat) on a small fixed alphabet
+of 64 token ids, where the circuit forms sooner; the step at which it forms varies (a probe broke at step 300, a
+run with another alphabet was still flat at 400), so the stage waits for the repeat loss to fall below
+`copy_break_nll`, then grows the alphabet to the whole vocabulary over `copy_grow_steps`. Then
 the task mix: half the rows are the evaluation's task suites (one question each), half are recall drills
 (`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), and `copy_share` of
 the rows stay copy drills to keep the circuit. Loss per row: the mean cross-entropy on its answer (or repeat) tokens,
@@ -29,7 +31,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,9 +50,11 @@ class TrainConfig:
     tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
     min_len: int = 128
     max_len: int = 2048
-    copy_steps: int = 800  # stage 1: copy drills only, at min_len, alphabet from COPY_ALPHABET to the vocabulary
+    copy_break_nll: float = 1.0  # stage 1 (copy drills at min_len) holds its first alphabet until the repeat
+    copy_grow_steps: int = 300  # NLL (mean of 10 steps) is below this, then grows it to the vocabulary
+    copy_max_steps: int = 1500  # stage 1 ends here whatever its loss
     copy_share: float = 0.15  # stage 2: of the rows, copy drills
-    curriculum_steps: int = 1500  # after copy_steps, the length range widens from [min_len, 2 min_len] to max_len
+    curriculum_steps: int = 1500  # in stage 2, the length range widens from [min_len, 2 min_len] to max_len
     lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.01
@@ -76,10 +80,31 @@ IGNORE, CONTEXT, ANSWER, REPEAT = 0, 1, 2, 3
 COPY_ALPHABET = 64  # token ids in the first copy drills
 
 
-def length_range(cfg: TrainConfig, step: int) -> tuple[int, int]:
-    if step < cfg.copy_steps:
+@dataclass
+class Stages:
+    """Where a run is: the step at which the copy loss broke its plateau and the step the task mix began (None:
+    not yet), from the last steps' repeat NLL. Saved in checkpoints, so a resumed run takes the same batches."""
+    copy_broke: int | None = None
+    tasks_from: int | None = None
+    recent_repeat_nll: list[float] = field(default_factory=list)
+
+    def update(self, cfg: TrainConfig, step: int, repeat_nll: float | None) -> None:
+        """After `step` steps, of which the last had this repeat NLL."""
+        if repeat_nll is not None:
+            self.recent_repeat_nll = (self.recent_repeat_nll + [repeat_nll])[-10:]
+        recent = self.recent_repeat_nll
+        if (self.copy_broke is None and self.tasks_from is None and len(recent) == 10
+                and sum(recent) / 10 < cfg.copy_break_nll):
+            self.copy_broke = step
+        if self.tasks_from is None and (step >= cfg.copy_max_steps or (
+                self.copy_broke is not None and step >= self.copy_broke + cfg.copy_grow_steps)):
+            self.tasks_from = step
+
+
+def length_range(cfg: TrainConfig, step: int, stages: Stages) -> tuple[int, int]:
+    if stages.tasks_from is None:
         return cfg.min_len, cfg.min_len
-    frac = min(1.0, (step - cfg.copy_steps) / max(1, cfg.curriculum_steps))
+    frac = min(1.0, (step - stages.tasks_from) / max(1, cfg.curriculum_steps))
     hi = int(min(cfg.max_len, 2 * cfg.min_len) * (1 - frac) + cfg.max_len * frac)
     return cfg.min_len, max(cfg.min_len, hi)
 
@@ -104,10 +129,14 @@ def encode(context: str, questions: list[tuple[str, str]], tokenizer) -> tuple[l
     return ids, context_end, targets
 
 
-def copy_alphabet(cfg: TrainConfig, step: int, vocab: int) -> int:
-    """How many token ids a copy drill draws from: COPY_ALPHABET for the first half of stage 1 (on the full
-    vocabulary the loss sat at ln V for 540 steps; on 64 ids it broke at step 300), then geometrically to `vocab`."""
-    frac = min(1.0, max(0.0, 2 * step / max(1, cfg.copy_steps) - 1))
+def copy_alphabet(cfg: TrainConfig, step: int, stages: Stages, vocab: int) -> int:
+    """How many token ids a copy drill draws from: COPY_ALPHABET until the copy loss breaks (on the full
+    vocabulary it sat at ln V for 540 steps), then geometrically to `vocab` over copy_grow_steps."""
+    if stages.tasks_from is not None:
+        return vocab
+    if stages.copy_broke is None:
+        return COPY_ALPHABET
+    frac = min(1.0, (step - stages.copy_broke) / max(1, cfg.copy_grow_steps))
     return int(round(COPY_ALPHABET * (vocab / COPY_ALPHABET) ** frac))
 
 
@@ -131,12 +160,12 @@ def copy_row(rng: random.Random, length: int, alphabet: list[int]) -> tuple[list
     return segment + segment, [IGNORE] * half + [REPEAT] * half
 
 
-def make_row(cfg: TrainConfig, rng: random.Random, step: int, length: int, tokenizer, seed: int
+def make_row(cfg: TrainConfig, rng: random.Random, step: int, stages: Stages, length: int, tokenizer, seed: int
              ) -> tuple[list[int], list[int]]:
     """One training row: its token ids and the kind of each (kind[t] says how predicting token t counts)."""
-    if step < cfg.copy_steps or rng.random() < cfg.copy_share:
+    if stages.tasks_from is None or rng.random() < cfg.copy_share:
         order = copy_order(cfg, tokenizer)
-        return copy_row(rng, length, order[:copy_alphabet(cfg, step, len(order))])
+        return copy_row(rng, length, order[:copy_alphabet(cfg, step, stages, len(order))])
     if rng.random() < cfg.drill_share:
         facts = rng.randint(2, max(2, min(cfg.max_drill_facts, length // 32)))
         context, questions = tasks.recall_drill(rng, tokenizer, length, facts)
@@ -150,12 +179,12 @@ def make_row(cfg: TrainConfig, rng: random.Random, step: int, length: int, token
     return ids, kind
 
 
-def make_batch(cfg: TrainConfig, step: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(cfg: TrainConfig, step: int, stages: Stages, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """One length, several rows: (input ids [B, T], token kinds [B, T]; padding is IGNORE)."""
     rng = random.Random(cfg.seed * 7919 + step)
-    lo, hi = length_range(cfg, step)
+    lo, hi = length_range(cfg, step, stages)
     length = rng.randint(lo, hi)
-    rows = [make_row(cfg, rng, step, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
+    rows = [make_row(cfg, rng, step, stages, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
             for i in range(max(1, cfg.tokens_per_step // length))]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -236,10 +265,10 @@ def _checkpoint_path(work: Path) -> Path:
     return work / "checkpoint.pt"
 
 
-def _save_checkpoint(work: Path, model, opt, step: int, cfg: TrainConfig, log: list) -> None:
+def _save_checkpoint(work: Path, model, opt, step: int, stages: Stages, cfg: TrainConfig, log: list) -> None:
     tmp = work / "checkpoint.pt.tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg),
-                "log": log, "torch_rng": torch.get_rng_state()}, tmp)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stages": asdict(stages),
+                "config": asdict(cfg), "log": log, "torch_rng": torch.get_rng_state()}, tmp)
     tmp.replace(_checkpoint_path(work))  # atomic: a killed run never leaves a torn checkpoint
 
 
@@ -256,7 +285,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
     tokenizer = AutoTokenizer.from_pretrained(init)
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, log = 0, []
+    step, stages, log = 0, Stages(), []
     ckpt = _checkpoint_path(work)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -265,21 +294,23 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
                              f"  checkpoint: {state['config']}\n  now:        {asdict(cfg)}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        step, log = state["step"], state["log"]
+        step, stages, log = state["step"], Stages(**state["stages"]), state["log"]
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step}", flush=True)
     start = time.time()
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        ids, kind = make_batch(cfg, step, tokenizer)
+        ids, kind = make_batch(cfg, step, stages, tokenizer)
         loss, parts = loss_fn(model, ids, kind, cfg.context_loss_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        entry = {"step": step, "loss": round(float(loss.detach()), 4), **parts,
+        stages.update(cfg, step, parts.get("repeat_nll"))
+        entry = {"step": step, "stage": 1 if stages.tasks_from is None else 2, "loss": round(float(loss.detach()), 4),
+                 **parts,
                  "len": ids.shape[1], "batch": ids.shape[0], "seconds": round(time.time() - start, 1)}
         if step % log_every == 0:
             log.append(entry)
@@ -290,7 +321,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
                 log.append({"step": step, "eval_len": length, "accuracy": acc})
                 print(json.dumps(log[-1]), flush=True)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            _save_checkpoint(work, model, opt, step, cfg, log)
+            _save_checkpoint(work, model, opt, step, stages, cfg, log)
         if stop_after is not None and step >= stop_after:
             return None
     return export(model, init, out, cfg, log)

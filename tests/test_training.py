@@ -10,12 +10,12 @@ from safetensors.torch import load_file
 
 from tailreplay_sglang import tasks
 from tailreplay_sglang.training import (
-    ANSWER, CONTEXT, COPY_ALPHABET, IGNORE, REPEAT, TrainConfig, copy_alphabet, copy_order, encode, length_range,
-    make_batch, train,
+    ANSWER, CONTEXT, COPY_ALPHABET, IGNORE, REPEAT, Stages, TrainConfig, copy_alphabet, copy_order, encode,
+    length_range, make_batch, train,
 )
 
 # Step 0-1: copy drills; steps 2-3: the task mix.
-TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, copy_steps=2, copy_share=0.0,
+TINY = TrainConfig(steps=4, tokens_per_step=512, min_len=128, max_len=256, copy_max_steps=2, copy_share=0.0,
                    curriculum_steps=2, save_every=2, eval_every=1000, threads=1, warmup=1)
 
 
@@ -48,8 +48,9 @@ def tok(tmp_path_factory):
 
 
 def test_batches_are_deterministic_and_weight_only_answers_fully(tok):
-    ids, kind = make_batch(TINY, 3, tok)
-    again, _ = make_batch(TINY, 3, tok)
+    stages = Stages(tasks_from=2)
+    ids, kind = make_batch(TINY, 3, stages, tok)
+    again, _ = make_batch(TINY, 3, stages, tok)
     assert torch.equal(ids, again)
     assert ((kind == ANSWER).sum(1) > 0).all()  # every row has answer tokens
     assert not (kind == REPEAT).any()  # copy_share 0: no copy drills after stage 1
@@ -58,23 +59,43 @@ def test_batches_are_deterministic_and_weight_only_answers_fully(tok):
         answers = tok.decode(row[k == ANSWER])
         assert re.fullmatch(r"( [A-Za-z0-9 ]+\.)+", answers), answers
         assert k[0] == IGNORE and (k == CONTEXT).sum() > 64
-    assert length_range(TINY, 0) == (128, 128) and length_range(TINY, 10) == (128, 256)
+    assert length_range(TINY, 0, Stages()) == (128, 128)
+    assert length_range(TINY, 2, stages) == (128, 256) and length_range(TINY, 10, stages) == (128, 256)
     assert set(tasks.TASKS) >= {"niah_single", "qa"}
 
 
-def test_copy_drills_repeat_a_segment_from_a_growing_nested_alphabet(tok):
-    cfg = TrainConfig(copy_steps=100, copy_share=0.5)
+def test_stage_one_waits_for_the_copy_loss_to_break_then_grows_the_alphabet(tok):
+    cfg = TrainConfig(copy_break_nll=1.0, copy_grow_steps=100, copy_max_steps=1000, copy_share=0.5)
+    stages = Stages()
+    for step in range(1, 21):
+        stages.update(cfg, step, 4.1)  # the plateau: ln 64
+    assert stages == Stages(recent_repeat_nll=[4.1] * 10)
+    for step in range(21, 31):
+        stages.update(cfg, step, 0.9)
+    assert stages.copy_broke == 30 and stages.tasks_from is None
     order = copy_order(cfg, tok)
     assert len(order) == len(set(order)) == len(tok) - len(tok.all_special_ids)
-    sizes = [copy_alphabet(cfg, step, len(order)) for step in (0, 50, 75, 100, 200)]
-    assert sizes[0] == sizes[1] == COPY_ALPHABET and sizes[1] < sizes[2] < sizes[3] == sizes[4] == len(order)
-    ids, kind = make_batch(cfg, 0, tok)
+    sizes = [copy_alphabet(cfg, step, stages, len(order)) for step in (30, 80, 130)]
+    assert sizes[0] == COPY_ALPHABET < sizes[1] < sizes[2] == len(order)
+    assert copy_alphabet(cfg, 500, Stages(), len(order)) == COPY_ALPHABET  # no break yet: no growth
+    for step in range(31, 131):
+        stages.update(cfg, step, 0.9)
+    assert stages.tasks_from == 130  # copy_grow_steps after the break
+    never = Stages()
+    for step in range(1, 1001):
+        never.update(cfg, step, 4.1)
+    assert never.copy_broke is None and never.tasks_from == 1000  # copy_max_steps ends stage 1 anyway
+
+
+def test_copy_drills_repeat_a_segment_then_stay_in_the_task_mix(tok):
+    cfg = TrainConfig(copy_share=0.5)
+    ids, kind = make_batch(cfg, 0, Stages(), tok)
     assert ids.shape == (cfg.tokens_per_step // cfg.min_len, cfg.min_len)
     half = cfg.min_len // 2
     assert torch.equal(ids[:, :half], ids[:, half:])  # the repeat is the segment
     assert (kind[:, :half] == IGNORE).all() and (kind[:, half:] == REPEAT).all()  # and only the repeat is scored
-    assert set(ids.flatten().tolist()) <= set(order[:COPY_ALPHABET])
-    _, kind = make_batch(cfg, 150, tok)  # stage 2 keeps some copy drills beside the task rows
+    assert set(ids.flatten().tolist()) <= set(copy_order(cfg, tok)[:COPY_ALPHABET])
+    _, kind = make_batch(cfg, 150, Stages(copy_broke=10, tasks_from=100), tok)
     is_copy = (kind == REPEAT).any(1)
     assert is_copy.any() and (~is_copy).any()
 
