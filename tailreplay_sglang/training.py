@@ -10,7 +10,7 @@ is written to `--work` every `--save-every` steps and picked up by the next run 
 
 Data, in two stages. Recipes 1 and 2 (docs/quality.md) sat at chance for 2000 steps: retrieval needs an
 induction-head copy circuit, and the sparse answers of task documents did not start one. So the run opens with
-a copy drill (a random token segment, then the same segment again; loss on the repeat) on a small fixed alphabet
+a copy drill (random tokens in which a segment comes back at a random distance; loss on the repeat) on a small fixed alphabet
 of 64 token ids, where the circuit forms sooner; the step at which it forms varies (a probe broke at step 300, a
 run with another alphabet was still flat at 400), so the stage waits for the repeat loss to fall below
 `copy_break_nll`, then grows the alphabet to the whole vocabulary over `copy_grow_steps`. Then
@@ -154,10 +154,18 @@ def copy_order(cfg: TrainConfig, tokenizer) -> list[int]:
 
 
 def copy_row(rng: random.Random, length: int, alphabet: list[int]) -> tuple[list[int], list[int]]:
-    """A random segment then the same segment again: the repeat is predictable only by copying."""
-    half = length // 2
-    segment = [rng.choice(alphabet) for _ in range(half)]
-    return segment + segment, [IGNORE] * half + [REPEAT] * half
+    """Random tokens in which a segment comes back later, at a random distance: the repeat (after its first token)
+    is predictable only by finding the earlier occurrence of what came just before, an induction-head copy. A
+    fixed distance would not do: with segment then repeat at half the row, a run learnt to attend a fixed offset
+    back (its RoPE allows it), and that copy was gone at other lengths."""
+    ids = [rng.choice(alphabet) for _ in range(length)]
+    size = rng.randint(max(2, length // 8), max(2, length // 2 - 1))
+    first = rng.randint(0, length - 2 * size)
+    again = rng.randint(first + size, length - size)
+    ids[again:again + size] = ids[first:first + size]
+    kind = [IGNORE] * length
+    kind[again + 1:again + size] = [REPEAT] * (size - 1)
+    return ids, kind
 
 
 def make_row(cfg: TrainConfig, rng: random.Random, step: int, stages: Stages, length: int, tokenizer, seed: int

@@ -91,9 +91,15 @@ def test_copy_drills_repeat_a_segment_then_stay_in_the_task_mix(tok):
     cfg = TrainConfig(copy_share=0.5)
     ids, kind = make_batch(cfg, 0, Stages(), tok)
     assert ids.shape == (cfg.tokens_per_step // cfg.min_len, cfg.min_len)
-    half = cfg.min_len // 2
-    assert torch.equal(ids[:, :half], ids[:, half:])  # the repeat is the segment
-    assert (kind[:, :half] == IGNORE).all() and (kind[:, half:] == REPEAT).all()  # and only the repeat is scored
+    distances = set()
+    for row, k in zip(ids.tolist(), kind.tolist()):
+        scored = [t for t in range(len(row)) if k[t] == REPEAT]  # only the repeat, after its first token
+        start, end = scored[0] - 1, scored[-1] + 1
+        assert scored == list(range(start + 1, end)) and end - start >= cfg.min_len // 8
+        earlier = [d for d in range(end - start, start + 1) if row[start - d:end - d] == row[start:end]]
+        assert earlier  # the segment occurs before, whole
+        distances.add(earlier[0])
+    assert len(distances) > 10  # at many distances: no fixed offset to copy from
     assert set(ids.flatten().tolist()) <= set(copy_order(cfg, tok)[:COPY_ALPHABET])
     _, kind = make_batch(cfg, 150, Stages(copy_broke=10, tasks_from=100), tok)
     is_copy = (kind == REPEAT).any(1)
