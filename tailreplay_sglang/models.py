@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 BUILD_MARKER = "tailreplay_build.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,8 +38,8 @@ CHAT_TEMPLATE = (
 
 # Every 4th layer is full attention, the rest Gated DeltaNet: [GDN, GDN, GDN, FA] repeated.
 FULL_ATTENTION_INTERVAL = 4
-# Qwen3.5's RoPE settings. SGLang's Qwen3-Next attention reads the top-level `rope_theta`, which transformers 5
-# no longer writes (it keeps it in `rope_parameters`), so both places get the same value.
+# Qwen3.5's RoPE settings. SGLang's Qwen3-Next / Qwen3.5 attention reads the top-level `rope_theta` and
+# `partial_rotary_factor`, while transformers 5 reads `rope_parameters`, so both places get the same values.
 ROPE_THETA = 10_000_000.0
 PARTIAL_ROTARY_FACTOR = 0.25
 # Range of memory lengths, in tokens, that the GDN heads start with (see `_init_gdn_gates`).
@@ -77,6 +77,11 @@ class Preset:
     # Train the tokenizer on the task suites' words too (`tasks.vocabulary_texts`), so needle keys, names and
     # template words are whole tokens: a retrieval model then matches one token per key, not a run of fragments.
     task_words: bool = False
+    # Qwen3.5 rotates a quarter of each head at theta 1e7. The quality model rotates all of it at 1e4: a hybrid
+    # with Qwen3.5's RoPE stayed at chance on a copy drill where this one learnt to copy within 200 steps
+    # (docs/quality.md, recipe 4): its full-attention layers need fast frequencies for a previous-token head.
+    rope_theta: float = ROPE_THETA
+    partial_rotary_factor: float = PARTIAL_ROTARY_FACTOR
 
 
 PRESETS: dict[str, Preset] = {
@@ -98,7 +103,8 @@ PRESETS: dict[str, Preset] = {
         model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=256, vocab_size=1408,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=32768, dtype="float32", task_words=True,
+        max_position_embeddings=32768, dtype="float32", task_words=True, rope_theta=10_000.0,
+        partial_rotary_factor=1.0,
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
@@ -259,7 +265,8 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         # No mrope_section: text-only checkpoints then get plain 1-D RoPE in SGLang, which is what HF's
         # (always interleaved-mrope) rotary embedding reduces to when all three position rows are equal.
         rope_parameters={
-            "rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+            "rope_type": "default", "rope_theta": preset.rope_theta,
+            "partial_rotary_factor": preset.partial_rotary_factor,
         },
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -271,7 +278,8 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     # full_attention_interval (not layer_types) and defaults attn_output_gate to True, which HF's Qwen3.5 /
     # Qwen3-Next attention always applies; spelling it out keeps the two from drifting apart silently.
     config.full_attention_interval = FULL_ATTENTION_INTERVAL
-    config.rope_theta = ROPE_THETA
+    config.rope_theta = preset.rope_theta
+    config.partial_rotary_factor = preset.partial_rotary_factor  # HF's Qwen3.5 config writes 0.25 here regardless
     config.attn_output_gate = True
     return config
 

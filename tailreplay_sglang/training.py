@@ -10,10 +10,10 @@ is written to `--work` every `--save-every` steps and picked up by the next run 
 
 Data, in two stages. Recipes 1 and 2 (docs/quality.md) sat at chance for 2000 steps: retrieval needs an
 induction-head copy circuit, and the sparse answers of task documents did not start one. So the run opens with
-a copy drill (random tokens in which a segment comes back at a random distance; loss on the repeat) on a small fixed alphabet
-of 64 token ids, where the circuit forms sooner; the step at which it forms varies (a probe broke at step 300, a
-run with another alphabet was still flat at 400), so the stage waits for the repeat loss to fall below
-`copy_break_nll`, then grows the alphabet to the whole vocabulary over `copy_grow_steps`. Then
+a copy drill (random tokens in which one segment occurs four times at random distances; loss on the repeats) on
+a small fixed alphabet of 64 token ids, where the circuit forms sooner. The step at which it forms varies, so the
+stage waits for the repeat loss to fall below `copy_break_nll`, then grows the alphabet to the whole vocabulary
+over `copy_grow_steps`. Then
 the task mix: half the rows are the evaluation's task suites (one question each), half are recall drills
 (`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), and `copy_share` of
 the rows stay copy drills to keep the circuit. Loss per row: the mean cross-entropy on its answer (or repeat) tokens,
@@ -46,15 +46,16 @@ TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluat
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 1800
     tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
     min_len: int = 128
     max_len: int = 2048
     copy_break_nll: float = 1.0  # stage 1 (copy drills at min_len) holds its first alphabet until the repeat
     copy_grow_steps: int = 300  # NLL (mean of 10 steps) is below this, then grows it to the vocabulary
     copy_max_steps: int = 1500  # stage 1 ends here whatever its loss
+    copy_occurrences: int = 4  # times a copy drill's segment occurs in its row
     copy_share: float = 0.15  # stage 2: of the rows, copy drills
-    curriculum_steps: int = 1500  # in stage 2, the length range widens from [min_len, 2 min_len] to max_len
+    curriculum_steps: int = 900  # in stage 2, the length range widens from [min_len, 2 min_len] to max_len
     lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.01
@@ -69,6 +70,8 @@ class TrainConfig:
     def __post_init__(self):
         if not 0 < self.min_len <= self.max_len:
             raise ValueError(f"need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.copy_occurrences < 2:
+            raise ValueError(f"copy_occurrences must be at least 2 (a segment and a repeat), got {self.copy_occurrences}")
         if not 0 <= self.copy_share <= 1 or not 0 <= self.drill_share <= 1:
             raise ValueError("copy_share and drill_share are fractions of the rows, in [0, 1]")
         if self.tokens_per_step < self.max_len:
@@ -153,19 +156,24 @@ def copy_order(cfg: TrainConfig, tokenizer) -> list[int]:
     return _copy_order(cfg.seed, len(tokenizer), tuple(tokenizer.all_special_ids))
 
 
-def copy_row(rng: random.Random, length: int, alphabet: list[int]) -> tuple[list[int], list[int]]:
-    """Random tokens in which a segment comes back later, at a random distance: the repeat (after its first token)
-    is predictable only by finding the earlier occurrence of what came just before, an induction-head copy. A
-    fixed distance would not do: with segment then repeat at half the row, a run learnt to attend a fixed offset
-    back (its RoPE allows it), and that copy was gone at other lengths."""
-    ids = [rng.choice(alphabet) for _ in range(length)]
-    size = rng.randint(max(2, length // 8), max(2, length // 2 - 1))
-    first = rng.randint(0, length - 2 * size)
-    again = rng.randint(first + size, length - size)
-    ids[again:again + size] = ids[first:first + size]
-    kind = [IGNORE] * length
-    kind[again + 1:again + size] = [REPEAT] * (size - 1)
-    return ids, kind
+def copy_row(rng: random.Random, length: int, alphabet: list[int], occurrences: int
+             ) -> tuple[list[int], list[int]]:
+    """Random tokens in which one segment occurs `occurrences` times, with random gaps: every occurrence after the
+    first (after its first token) is predictable only by finding an earlier one, an induction-head copy. Not a
+    fixed distance: with the segment then its repeat at half the row, a run learnt to attend a fixed offset back,
+    a copy that was gone at other lengths. Not one repeat: a single repeat at a random distance stayed at chance
+    for 1200 steps, where three repeats broke the plateau within 200 (docs/quality.md)."""
+    size = rng.randint(max(2, length // (2 * occurrences)), max(2, length // occurrences))
+    segment = [rng.choice(alphabet) for _ in range(size)]
+    weights = [rng.random() + 1e-3 for _ in range(occurrences + 1)]
+    free = length - occurrences * size
+    gaps = [int(free * w / sum(weights)) for w in weights]
+    ids, kind = [], []
+    for i in range(occurrences):
+        ids += [rng.choice(alphabet) for _ in range(gaps[i])] + segment
+        kind += [IGNORE] * (gaps[i] + 1) + [REPEAT if i else IGNORE] * (size - 1)
+    tail = length - len(ids)
+    return ids + [rng.choice(alphabet) for _ in range(tail)], kind + [IGNORE] * tail
 
 
 def make_row(cfg: TrainConfig, rng: random.Random, step: int, stages: Stages, length: int, tokenizer, seed: int
@@ -173,7 +181,7 @@ def make_row(cfg: TrainConfig, rng: random.Random, step: int, stages: Stages, le
     """One training row: its token ids and the kind of each (kind[t] says how predicting token t counts)."""
     if stages.tasks_from is None or rng.random() < cfg.copy_share:
         order = copy_order(cfg, tokenizer)
-        return copy_row(rng, length, order[:copy_alphabet(cfg, step, stages, len(order))])
+        return copy_row(rng, length, order[:copy_alphabet(cfg, step, stages, len(order))], cfg.copy_occurrences)
     if rng.random() < cfg.drill_share:
         facts = rng.randint(2, max(2, min(cfg.max_drill_facts, length // 32)))
         context, questions = tasks.recall_drill(rng, tokenizer, length, facts)

@@ -93,12 +93,17 @@ def test_copy_drills_repeat_a_segment_then_stay_in_the_task_mix(tok):
     assert ids.shape == (cfg.tokens_per_step // cfg.min_len, cfg.min_len)
     distances = set()
     for row, k in zip(ids.tolist(), kind.tolist()):
-        scored = [t for t in range(len(row)) if k[t] == REPEAT]  # only the repeat, after its first token
-        start, end = scored[0] - 1, scored[-1] + 1
-        assert scored == list(range(start + 1, end)) and end - start >= cfg.min_len // 8
-        earlier = [d for d in range(end - start, start + 1) if row[start - d:end - d] == row[start:end]]
-        assert earlier  # the segment occurs before, whole
-        distances.add(earlier[0])
+        scored = [t for t in range(len(row)) if k[t] == REPEAT]  # only the repeats, after their first token
+        runs = [[scored[0]]]
+        for t in scored[1:]:
+            runs[-1].append(t) if t == runs[-1][-1] + 1 else runs.append([t])
+        assert len(runs) == cfg.copy_occurrences - 1
+        size = len(runs[0]) + 1
+        assert size >= cfg.min_len // (2 * cfg.copy_occurrences)
+        repeats = [row[r[0] - 1:r[-1] + 1] for r in runs]
+        assert all(len(r) == size and r == repeats[0] for r in repeats)  # one segment, again and again
+        first = next(t for t in range(runs[0][0]) if row[t:t + size] == repeats[0])  # and it occurred before
+        distances.add(runs[0][0] - 1 - first)
     assert len(distances) > 10  # at many distances: no fixed offset to copy from
     assert set(ids.flatten().tolist()) <= set(copy_order(cfg, tok)[:COPY_ALPHABET])
     _, kind = make_batch(cfg, 150, Stages(copy_broke=10, tasks_from=100), tok)
