@@ -349,6 +349,9 @@ def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(init, staging)
     model.save_pretrained(staging)
+    # save_pretrained rewrites config.json without the top-level RoPE keys SGLang reads (models.py); training
+    # changes no config, so the init's stands.
+    shutil.copy(init / "config.json", staging / "config.json")
     marker = json.loads((staging / BUILD_MARKER).read_text())
     marker.update(trained=True, train_config=asdict(cfg))
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
