@@ -79,7 +79,10 @@ def test_full_replay_answers_exactly_as_cache_off(runs):
     for key, r in full.items():
         assert r["output_ids"] == reference[key]["output_ids"], key
         assert r["prediction"] == reference[key]["prediction"] and r["score"] == reference[key]["score"], key
-        assert r["kl"] < 1e-6, key
+        # Float rounding only: replay sums the prefix in another order than one-pass prefill. On the trained model's
+        # sharp logits that reaches ~1e-6 (1.2e-6 on a LongBench toy line; 2.8e-7 max over docs/quality.md's 90
+        # requests), where every partial replay mode is near 1.
+        assert r["kl"] < 1e-5, key
     assert all(r["kl"] == 0 for r in reference.values())
     summary = {s["mode"]: s for s in result["modes"]}
     assert summary["full"]["same_output"] == summary["full"]["requests"]
