@@ -13,13 +13,12 @@ induction-head copy circuit, and the sparse answers of task documents did not st
 a copy drill (random tokens in which one segment occurs four times at random distances; loss on the repeats) on
 a small fixed alphabet of 64 token ids, where the circuit forms sooner. The step at which it forms varies, so the
 stage waits for the repeat loss to fall below `copy_break_nll`, then grows the alphabet to the whole vocabulary
-over `copy_grow_steps`. Then
-the task mix: half the rows are the evaluation's task suites (one question each), half are recall drills
-(`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them asked), and `copy_share` of
-the rows stay copy drills to keep the circuit. Loss per row: the mean cross-entropy on its answer (or repeat) tokens,
-plus `context_loss_weight` x the mean language-model loss on its document, so the model keeps modelling text;
-rows count alike however long. Context lengths follow a curriculum from short to `--max-len`, since retrieval is
-learnt fastest on short haystacks and then carries over to longer ones.
+over `copy_grow_steps`. Then the task mix: half the rows are the evaluation's task suites (one question each),
+half are recall drills (`tasks.recall_drill`, MQAR-style: a dozen facts in the filler and every one of them
+asked), and `copy_share` of the rows stay copy drills to keep the circuit. Loss per row: the mean cross-entropy
+on its answer (or repeat) tokens, plus `context_loss_weight` x the mean language-model loss on its document, so
+the model keeps modelling text; rows count alike however long. Context lengths follow a curriculum from short to
+`--max-len`, since retrieval is learnt fastest on short haystacks and then carries over to longer ones.
 """
 
 from __future__ import annotations
@@ -50,8 +49,10 @@ class TrainConfig:
     tokens_per_step: int = 4096  # batch = tokens_per_step // length sequences of one length
     min_len: int = 128
     max_len: int = 2048
-    copy_break_nll: float = 1.0  # stage 1 (copy drills at min_len) holds its first alphabet until the repeat
-    copy_grow_steps: int = 300  # NLL (mean of 10 steps) is below this, then grows it to the vocabulary
+    # Stage 1, copy drills at min_len: the first alphabet holds until the repeat NLL (mean of 10 steps) is below
+    # copy_break_nll, then grows to the vocabulary over copy_grow_steps.
+    copy_break_nll: float = 1.0
+    copy_grow_steps: int = 300
     copy_max_steps: int = 1500  # stage 1 ends here whatever its loss
     copy_occurrences: int = 4  # times a copy drill's segment occurs in its row
     copy_share: float = 0.15  # stage 2: of the rows, copy drills
@@ -71,7 +72,8 @@ class TrainConfig:
         if not 0 < self.min_len <= self.max_len:
             raise ValueError(f"need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}")
         if self.copy_occurrences < 2:
-            raise ValueError(f"copy_occurrences must be at least 2 (a segment and a repeat), got {self.copy_occurrences}")
+            raise ValueError(f"copy_occurrences must be at least 2 (a segment and a repeat), "
+                             f"got {self.copy_occurrences}")
         if not 0 <= self.copy_share <= 1 or not 0 <= self.drill_share <= 1:
             raise ValueError("copy_share and drill_share are fractions of the rows, in [0, 1]")
         if self.tokens_per_step < self.max_len:
@@ -200,7 +202,8 @@ def make_batch(cfg: TrainConfig, step: int, stages: Stages, tokenizer) -> tuple[
     rng = random.Random(cfg.seed * 7919 + step)
     lo, hi = length_range(cfg, step, stages)
     length = rng.randint(lo, hi)
-    rows = [make_row(cfg, rng, step, stages, length, tokenizer, TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64 + i)
+    seed = TRAIN_SEED_OFFSET + cfg.seed * 10_000_000 + step * 64
+    rows = [make_row(cfg, rng, step, stages, length, tokenizer, seed + i)
             for i in range(max(1, cfg.tokens_per_step // length))]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -325,9 +328,9 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
         opt.zero_grad(set_to_none=True)
         step += 1
         stages.update(cfg, step, parts.get("repeat_nll"))
-        entry = {"step": step, "stage": 1 if stages.tasks_from is None else 2, "loss": round(float(loss.detach()), 4),
-                 **parts,
-                 "len": ids.shape[1], "batch": ids.shape[0], "seconds": round(time.time() - start, 1)}
+        entry = {"step": step, "stage": 1 if stages.tasks_from is None else 2,
+                 "loss": round(float(loss.detach()), 4), **parts, "len": ids.shape[1], "batch": ids.shape[0],
+                 "seconds": round(time.time() - start, 1)}
         if step % log_every == 0:
             log.append(entry)
             print(json.dumps(entry), flush=True)

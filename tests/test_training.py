@@ -47,7 +47,7 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(build_model("quality-qwen35", tmp_path_factory.mktemp("init")))
 
 
-def test_batches_are_deterministic_and_weight_only_answers_fully(tok):
+def test_batches_are_deterministic_and_score_only_answers_after_stage_one(tok):
     stages = Stages(tasks_from=2)
     ids, kind = make_batch(TINY, 3, stages, tok)
     again, _ = make_batch(TINY, 3, stages, tok)
