@@ -67,6 +67,9 @@ class TrainConfig:
     threads: int = 2
     save_every: int = 50
     eval_every: int = 500
+    # An exported model of this preset to continue from (e.g. onto longer contexts): its weights, fresh optimizer,
+    # straight into the task mix. Empty: from the preset's random init, through the copy stage.
+    init_from: str = ""
 
     def __post_init__(self):
         if not 0 < self.min_len <= self.max_len:
@@ -78,6 +81,8 @@ class TrainConfig:
             raise ValueError("copy_share and drill_share are fractions of the rows, in [0, 1]")
         if self.tokens_per_step < self.max_len:
             raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must hold one max_len sequence")
+        if self.init_from and not (Path(self.init_from) / BUILD_MARKER).exists():
+            raise ValueError(f"init_from {self.init_from!r} is not an exported model (no {BUILD_MARKER})")
 
 
 # Token kinds of a row: what its loss counts.
@@ -305,6 +310,10 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, stages, log = 0, Stages(), []
+    if cfg.init_from:
+        _load_trained(model, Path(cfg.init_from), init)
+        stages = Stages(tasks_from=0)  # the copy circuit is there already
+        log = [{"continued_from": cfg.init_from}]
     ckpt = _checkpoint_path(work)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -335,7 +344,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
             log.append(entry)
             print(json.dumps(entry), flush=True)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            for length in sorted({min(256, cfg.max_len), min(1024, cfg.max_len)}):
+            for length in sorted({min(n, cfg.max_len) for n in (256, 1024, 4096)}):
                 acc = exact_match(model, tokenizer, length=length, n=4, seed=500_000 + step)
                 log.append({"step": step, "eval_len": length, "accuracy": acc})
                 print(json.dumps(log[-1]), flush=True)
@@ -344,6 +353,15 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
         if stop_after is not None and step >= stop_after:
             return None
     return export(model, init, out, cfg, log)
+
+
+def _load_trained(model, source: Path, init: Path) -> None:
+    """Weights of an exported model of the same preset build (its config must equal the init's)."""
+    from safetensors.torch import load_file
+
+    if json.loads((source / "config.json").read_text()) != json.loads((init / "config.json").read_text()):
+        raise SystemExit(f"{source} has another config than preset {PRESET}'s build; cannot continue from it")
+    model.load_state_dict(load_file(source / "model.safetensors"))
 
 
 def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
@@ -357,6 +375,10 @@ def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
     shutil.copy(init / "config.json", staging / "config.json")
     marker = json.loads((staging / BUILD_MARKER).read_text())
     marker.update(trained=True, train_config=asdict(cfg))
+    if cfg.init_from:  # keep the whole recipe: the run this one continued, and its log
+        earlier = Path(cfg.init_from)
+        marker["continued_from"] = json.loads((earlier / BUILD_MARKER).read_text())
+        log = json.loads((earlier / "training_log.json").read_text()) + log
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     (staging / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     from transformers import AutoTokenizer

@@ -38,6 +38,27 @@ def test_resuming_with_another_config_is_refused(tmp_path):
         train(TrainConfig(**{**TINY.__dict__, "lr": 1.0}), tmp_path / "m", tmp_path / "work")
 
 
+def test_a_run_continues_from_an_exported_model_straight_into_the_task_mix(tmp_path):
+    import json
+
+    first = train(TINY, tmp_path / "first", tmp_path / "work-first", log_every=1)
+    longer = TrainConfig(**{**TINY.__dict__, "steps": 2, "max_len": 512, "init_from": str(first)})
+    second = train(longer, tmp_path / "second", tmp_path / "work-second", log_every=1)
+    log = json.loads((second / "training_log.json").read_text())
+    assert {"continued_from": str(first)} in log
+    stages = [e["stage"] for e in log if "stage" in e]
+    assert stages == [1, 2, 2, 2] + [2, 2]  # the first run: a copy step, then tasks; this run: tasks only
+    marker = json.loads((second / "tailreplay_build.json").read_text())
+    assert marker["continued_from"]["train_config"]["max_len"] == 256 and marker["train_config"]["max_len"] == 512
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    # Two more steps from `first`'s weights: near them, not near a fresh init.
+    init = load_file(tmp_path / "work-first" / "init" / "model.safetensors")
+    k = "model.embed_tokens.weight"
+    assert (b[k] - a[k]).norm() < (b[k] - init[k]).norm() and not torch.equal(a[k], b[k])
+    with pytest.raises(ValueError, match="init_from"):
+        TrainConfig(init_from=str(tmp_path / "nothing"))
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     from transformers import AutoTokenizer
