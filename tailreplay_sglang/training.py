@@ -19,6 +19,9 @@ asked), and `copy_share` of the rows stay copy drills to keep the circuit. Loss 
 on its answer (or repeat) tokens, plus `context_loss_weight` x the mean language-model loss on its document, so
 the model keeps modelling text; rows count alike however long. Context lengths follow a curriculum from short to
 `--max-len`, since retrieval is learnt fastest on short haystacks and then carries over to longer ones.
+
+`--init-from DIR` continues an exported model (its weights, a fresh optimizer, straight into the task mix), e.g.
+onto longer contexts than it was trained at; `scripts/train_quality_model.sh` trains the committed model this way.
 """
 
 from __future__ import annotations
