@@ -316,7 +316,9 @@ def train(cfg: TrainConfig, out: Path, work: Path, log_every: int = 10, stop_aft
     if cfg.init_from:
         _load_trained(model, Path(cfg.init_from), init)
         stages = Stages(tasks_from=0)  # the copy circuit is there already
-        log = [{"continued_from": cfg.init_from}]
+        # The whole record: the earlier run's log, then this one's.
+        log = json.loads((Path(cfg.init_from) / "training_log.json").read_text()) + [
+            {"continued_from": cfg.init_from}]
     ckpt = _checkpoint_path(work)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -368,7 +370,8 @@ def _load_trained(model, source: Path, init: Path) -> None:
 
 
 def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
-    """The trained checkpoint beside the init's tokenizer and configs, plus the training record."""
+    """The trained checkpoint beside the init's tokenizer and configs, plus the training record. A model card
+    (README.md) already in `out` is kept: it is written by hand, not by training."""
     staging = out.parent / f".{out.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(init, staging)
@@ -376,12 +379,12 @@ def export(model, init: Path, out: Path, cfg: TrainConfig, log: list) -> Path:
     # save_pretrained rewrites config.json without the top-level RoPE keys SGLang reads (models.py); training
     # changes no config, so the init's stands.
     shutil.copy(init / "config.json", staging / "config.json")
+    if (out / "README.md").exists():
+        shutil.copy(out / "README.md", staging / "README.md")
     marker = json.loads((staging / BUILD_MARKER).read_text())
     marker.update(trained=True, train_config=asdict(cfg))
-    if cfg.init_from:  # keep the whole recipe: the run this one continued, and its log
-        earlier = Path(cfg.init_from)
-        marker["continued_from"] = json.loads((earlier / BUILD_MARKER).read_text())
-        log = json.loads((earlier / "training_log.json").read_text()) + log
+    if cfg.init_from:  # keep the whole recipe: the config of the run this one continued
+        marker["continued_from"] = json.loads((Path(cfg.init_from) / BUILD_MARKER).read_text())
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     (staging / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     from transformers import AutoTokenizer

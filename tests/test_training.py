@@ -43,7 +43,10 @@ def test_a_run_continues_from_an_exported_model_straight_into_the_task_mix(tmp_p
 
     first = train(TINY, tmp_path / "first", tmp_path / "work-first", log_every=1)
     longer = TrainConfig(**{**TINY.__dict__, "steps": 2, "max_len": 512, "init_from": str(first)})
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / "README.md").write_text("model card")  # written by hand: an export keeps it
     second = train(longer, tmp_path / "second", tmp_path / "work-second", log_every=1)
+    assert (second / "README.md").read_text() == "model card"
     log = json.loads((second / "training_log.json").read_text())
     assert {"continued_from": str(first)} in log
     stages = [e["stage"] for e in log if "stage" in e]
