@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from shared_prefix import stream_generate  # noqa: E402,F401  (re-exported: the one streaming client of bench/)
-from tailreplay_sglang.models import build_model  # noqa: E402
-from tailreplay_sglang.server import ServerProcess, flush_cache  # noqa: E402,F401  (flush_cache: re-exported)
+from tailreplay_sglang.eval.models import build_model  # noqa: E402
+from tailreplay_sglang.eval.server import ServerProcess, flush_cache  # noqa: E402,F401  (flush_cache: re-exported)
 
-# CPU_FLAGS (tailreplay_sglang/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
+# CPU_FLAGS (tailreplay_sglang/eval/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
 # core (measured: 10 CPU-seconds in 10 s), which would slow down whichever of the servers is being measured.
 # Token ids 0-2 are the chat special tokens (models.py); random prompts use the rest of the vocabulary.
 FIRST_ID = 3

@@ -19,8 +19,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tailreplay_sglang.models import PRESETS, build_model  # noqa: E402
-from tailreplay_sglang.server import ServerProcess  # noqa: E402
+from tailreplay_sglang.eval.models import PRESETS, build_model  # noqa: E402
+from tailreplay_sglang.eval.server import ServerProcess  # noqa: E402
 
 
 def main(argv=None):

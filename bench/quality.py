@@ -1,5 +1,5 @@
 """Answer quality of Tail-Replay hits against full prefill, through real SGLang servers: the paper's Table 1 for a
-model of ours, on RULER-style tasks generated locally (tailreplay_sglang/tasks.py) and on local LongBench files.
+model of ours, on RULER-style tasks generated locally (tailreplay_sglang/eval/tasks.py) and on local LongBench files.
 
     python bench/quality.py [--model PATH] [--tasks ...] [--lengths 2048 4096 8192] [--samples 10] \
         [--modes cache_off zero r0.05 r0.10 full] [--longbench-jsonl FILE ...] [--out bench/results/quality]
@@ -56,9 +56,9 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from tailreplay_sglang.models import build_model  # noqa: E402
+from tailreplay_sglang.eval.models import build_model  # noqa: E402
 from harness import ROOT  # noqa: E402
-from tailreplay_sglang import tasks  # noqa: E402
+from tailreplay_sglang.eval import tasks  # noqa: E402
 
 DEFAULT_MODES = ("cache_off", "zero", "r0.05", "r0.10", "full")
 DEFAULT_LENGTHS = (2048, 4096, 8192)
@@ -71,7 +71,7 @@ LONGBENCH_MAX_NEW = 128  # LongBench's answer budget for its QA sets (narrativeq
 TR = "--enable-tail-replay"
 METHOD = ("Per sample: /flush_cache, the context's ids with max_new_tokens=1 (caches it; not for cache_off), then "
           "context + question ids, greedy, stop at a newline; cached_tokens of the question request recorded. "
-          "RULER-style tasks scored by string match (tailreplay_sglang/tasks.py), LongBench files by token F1. "
+          "RULER-style tasks scored by string match (tailreplay_sglang/eval/tasks.py), LongBench files by token F1. "
           "KL(cache_off || mode) of the next-token distribution at the first answer token, from top_logprobs_num.")
 
 

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tailreplay_sglang.models import build_model  # noqa: E402
-from tailreplay_sglang.server import ServerProcess  # noqa: E402
+from tailreplay_sglang.eval.models import build_model  # noqa: E402
+from tailreplay_sglang.eval.server import ServerProcess  # noqa: E402
 
 WORDS = ("river stone lantern harbor signal garden copper window engine meadow silver orbit ladder canyon "
          "thunder pocket marble violet anchor forest ember glacier compass falcon").split()

@@ -40,11 +40,11 @@ sys.path.insert(0, str(ROOT))  # run from a plain checkout (the GPU machines do 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tailreplay_sglang import models  # noqa: E402
+from tailreplay_sglang.eval import models  # noqa: E402
 from tailreplay_sglang.config import TailReplayConfig  # noqa: E402
 from tailreplay_sglang.kernels.replay import replay_gdn_layer, replay_gdn_layer_triton  # noqa: E402
 from tailreplay_sglang.layout import HybridLayout  # noqa: E402
-from tailreplay_sglang.reference import force_torch_gdn  # noqa: E402
+from tailreplay_sglang.eval.reference import force_torch_gdn  # noqa: E402
 from tailreplay_sglang.transfer import HostToDevice, pin  # noqa: E402
 
 # Qwen3.5-4B's text config (Qwen/Qwen3.5-4B, config.json `text_config`): 32 layers, every 4th full attention

@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.layout import SUPPORTED
 
+RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
 REPLAY_ATTR = "tail_replay_match"  # set on a Req whose match needs its GDN states rebuilt
 
 

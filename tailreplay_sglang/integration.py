@@ -17,10 +17,11 @@ import time
 import torch
 
 from tailreplay_sglang import capture, pool_report, replay, visibility
-from tailreplay_sglang.cache import REPLAY_ATTR, create_tail_replay_cache
+from tailreplay_sglang.cache import RADIX_CACHE_BACKEND, REPLAY_ATTR, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
 from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.state import RuntimeState
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +30,13 @@ logger = logging.getLogger(__name__)
 FAULT_REPLAY_DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
 
 
-class _State:
-    config = TailReplayConfig()
-    store: HiddenStore | None = None
-    pending = replay.PendingReplays()
-    metrics: visibility.ReplayMetrics | None = None
-    fault_replay_delay_s = 0.0
-
-
 def _hidden_dtype() -> torch.dtype:
-    return getattr(torch, _State.config.hidden_dtype)
+    return getattr(torch, RuntimeState.config.hidden_dtype)
 
 
 def add_store_to_cell_size(original, configurator, kvc, num_layers):
     cell = original(configurator, kvc, num_layers)
-    if _State.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
+    if RuntimeState.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
         return cell
     extra = bytes_per_token(HybridLayout.from_hf_config(kvc.model_config.hf_config), _hidden_dtype())
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
@@ -55,13 +48,13 @@ def create_store(result, runner, *args, **kwargs):
         return result
     layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
-    tier = _State.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
-    _State.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device, tier)
-    capture.install(runner.model.model.layers, _State.store)
+    tier = RuntimeState.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
+    RuntimeState.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device, tier)
+    capture.install(runner.model.model.layers, RuntimeState.store)
     from sglang.srt.runtime_context import get_observability
 
     if get_observability().enable_metrics:
-        _State.metrics = visibility.ReplayMetrics()
+        RuntimeState.metrics = visibility.ReplayMetrics()
     return result
 
 
@@ -72,15 +65,15 @@ def mark_pending(result, batch, *args, **kwargs):
             continue
         setattr(req, REPLAY_ATTR, None)
         if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
-            _State.pending.add(int(req.kv.req_pool_idx), req.prefix_len, req)
+            RuntimeState.pending.add(int(req.kv.req_pool_idx), req.prefix_len, req)
     return result
 
 
 def replay_after_clear(result, runner, forward_batch, *args, **kwargs):
-    if _State.store is not None and forward_batch.forward_mode.is_extend():
-        ran = replay.run_pending(runner, forward_batch, _State.store, _State.pending, _State.config, _State.metrics)
-        if ran is not None and _State.fault_replay_delay_s:
-            time.sleep(_State.fault_replay_delay_s)
+    if RuntimeState.store is not None and forward_batch.forward_mode.is_extend():
+        ran = replay.run_pending(runner, forward_batch, RuntimeState.store, RuntimeState.pending, RuntimeState.config, RuntimeState.metrics)
+        if ran is not None and RuntimeState.fault_replay_delay_s:
+            time.sleep(RuntimeState.fault_replay_delay_s)
     return result
 
 
@@ -88,10 +81,8 @@ def register(config: TailReplayConfig) -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from tailreplay_sglang.plugin import RADIX_CACHE_BACKEND
-
-    _State.config = config
-    _State.fault_replay_delay_s = float(os.environ.get(FAULT_REPLAY_DELAY_ENV, "0"))
+    RuntimeState.config = config
+    RuntimeState.fault_replay_delay_s = float(os.environ.get(FAULT_REPLAY_DELAY_ENV, "0"))
     register_radix_cache_backend(RADIX_CACHE_BACKEND, create_tail_replay_cache)
     runner = "sglang.srt.model_executor.model_runner.ModelRunner"
     HookRegistry.register(

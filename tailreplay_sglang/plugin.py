@@ -11,13 +11,13 @@ import logging
 import sys
 
 from tailreplay_sglang import validation, visibility
+from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
 from tailreplay_sglang.config import (H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
                                       TailReplayConfigError)
 from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
 
-RADIX_CACHE_BACKEND = "tail_replay"
 _OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
                  "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d")
 

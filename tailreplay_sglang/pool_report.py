@@ -5,6 +5,8 @@ with it every hidden-store entry, which is addressed by KV slot) is free or held
 locked, every mamba slot and request row is free, and no replay is left pending.
 """
 
+from tailreplay_sglang.state import RuntimeState
+
 KEY = "tail_replay_pools"
 
 
@@ -46,7 +48,5 @@ def pool_report(scheduler, store, pending) -> dict:
 
 def add_to_internal_state(result, controller, *args, **kwargs):
     """AFTER hook on SchedulerInternalStateController.get_internal_state."""
-    from tailreplay_sglang.integration import _State
-
-    result.internal_state[KEY] = pool_report(controller.scheduler, _State.store, _State.pending)
+    result.internal_state[KEY] = pool_report(controller.scheduler, RuntimeState.store, RuntimeState.pending)
     return result

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import requests
 
-from tailreplay_sglang.models import build_model
-from tailreplay_sglang.server import ServerProcess, _group_alive
+from tailreplay_sglang.eval.models import build_model
+from tailreplay_sglang.eval.server import ServerProcess, _group_alive
 
 MODELS_DIR = Path(os.environ.get("TAILREPLAY_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
 

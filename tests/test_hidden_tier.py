@@ -154,12 +154,13 @@ def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, t
     from transformers import AutoConfig
 
     from tailreplay_sglang import integration
+    from tailreplay_sglang.state import RuntimeState
     from tailreplay_sglang.hidden_store import bytes_per_token
-    from tailreplay_sglang.models import build_model
+    from tailreplay_sglang.eval.models import build_model
 
     hf_config = AutoConfig.from_pretrained(build_model("tiny-qwen35", tmp_path / "m"))
     kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
-    monkeypatch.setattr(integration._State, "config", TailReplayConfig(enabled=True, hidden_tier=tier))
+    monkeypatch.setattr(RuntimeState, "config", TailReplayConfig(enabled=True, hidden_tier=tier))
     cell = integration.add_store_to_cell_size(lambda *args: 1000, None, kvc, 8)
     store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.bfloat16)
     assert cell == 1000 + (store if extra else 0)

@@ -21,7 +21,7 @@ from conftest import generate as shared_generate
 from conftest import start_server
 from soak import SoakConfig, check_against_no_cache, pool_leaks, pools, run_soak, wait_idle
 from tailreplay_sglang.integration import FAULT_REPLAY_DELAY_ENV
-from tailreplay_sglang.server import flush_cache
+from tailreplay_sglang.eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 

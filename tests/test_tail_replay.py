@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from conftest import generate as shared_generate
 from conftest import start_server
-from tailreplay_sglang.reference import greedy_generate, load_hf_model, prompt_logprobs
-from tailreplay_sglang.server import flush_cache
+from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_sglang.eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 

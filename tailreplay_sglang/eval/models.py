@@ -1,6 +1,6 @@
 """Build small random-weight Qwen3.5 / Qwen3-Next checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
 
-    python -m tailreplay_sglang.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
+    python -m tailreplay_sglang.eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
 Everything is made locally: a byte-level BPE tokenizer trained on a generated English corpus, a config written
 for both libraries, and weights drawn by the HF model class from a fixed seed. A directory that already holds
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -21,6 +20,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+from tailreplay_sglang.eval.corpus import training_corpus
+from tailreplay_sglang.eval.tasks import vocabulary_texts
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
 BUILDER_VERSION = 4
@@ -44,9 +46,6 @@ ROPE_THETA = 10_000_000.0
 PARTIAL_ROTARY_FACTOR = 0.25
 # Range of memory lengths, in tokens, that the GDN heads start with (see `_init_gdn_gates`).
 GDN_MEMORY_TOKENS = (16.0, 512.0)
-# Independent of --seed: the tokenizer depends only on the preset's vocabulary size.
-CORPUS_SEED = 1234
-CORPUS_SENTENCES = 400
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=32768, dtype="float32",
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
-    # The quality-evaluation model (`tailreplay_sglang.training`): trained on RULER-style tasks, ~2M parameters.
+    # The quality-evaluation model (`tailreplay_sglang.eval.training`): trained on RULER-style tasks, ~2M parameters.
     "quality-qwen35": Preset(
         model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=256, vocab_size=1408,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32,
@@ -116,70 +115,6 @@ PRESETS: dict[str, Preset] = {
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
-
-_SUBJECTS = (
-    "the old sailor", "a young engineer", "my neighbour", "the committee", "our teacher", "a curious child",
-    "the baker", "her brother", "the river pilot", "every student", "the quiet librarian", "a tired doctor",
-    "the mayor", "his grandmother", "the new manager", "a travelling musician", "the gardener", "nobody",
-    "the programmer", "a small dog", "the farmers", "their captain", "the scientist", "an honest merchant",
-)
-_VERBS = (
-    "carried", "painted", "repaired", "described", "forgot", "discovered", "measured", "borrowed", "explained",
-    "delivered", "noticed", "collected", "followed", "questioned", "remembered", "replaced", "ordered", "finished",
-    "studied", "opened", "counted", "ignored", "protected", "welcomed", "compared", "organised", "wrote about",
-)
-_OBJECTS = (
-    "the wooden boxes", "a broken window", "the morning newspaper", "three silver coins", "the long report",
-    "an empty bottle", "the garden fence", "a strange letter", "the winter coats", "his favourite song",
-    "the kitchen table", "a heavy suitcase", "the final chapter", "two green apples", "the village map",
-    "a paper lantern", "the blue bicycle", "seven small stones", "the quarterly budget", "an ancient clock",
-)
-_PLACES = (
-    "near the harbour", "in the library", "behind the station", "at the market", "under the bridge",
-    "on the mountain road", "in the kitchen", "across the valley", "beside the lake", "inside the museum",
-    "at the corner shop", "in the northern city", "along the coast", "outside the school", "over the hills",
-)
-_TIMES = (
-    "yesterday", "this morning", "last winter", "before dawn", "after lunch", "on Tuesday", "every evening",
-    "in September", "during the storm", "at midnight", "two weeks ago", "on the first day of spring",
-)
-_ADVERBS = (
-    "slowly", "carefully", "quietly", "happily", "suddenly", "patiently", "eagerly", "nervously", "politely",
-    "bravely", "quickly", "gently", "proudly", "clumsily", "silently",
-)
-_CONNECTORS = ("because", "although", "while", "so", "but", "and then", "until", "after")
-_QUESTIONS = (
-    "Why did {s} leave {o} {p}?", "Who {v} {o} {t}?", "Where did {s} find {o}?", "How many times has {s} {v} {o}?",
-)
-
-
-def _sentence(rng: random.Random) -> str:
-    s, v, o, p, t, a = (rng.choice(words) for words in (_SUBJECTS, _VERBS, _OBJECTS, _PLACES, _TIMES, _ADVERBS))
-    kind = rng.randrange(5)
-    if kind == 0:
-        text = f"{t.capitalize()}, {s} {a} {v} {o} {p}."
-    elif kind == 1:
-        text = f"{s.capitalize()} {v} {o} {rng.choice(_CONNECTORS)} {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {p}."
-    elif kind == 2:
-        text = rng.choice(_QUESTIONS).format(s=s, v=v, o=o, p=p, t=t)
-        text = text[0].upper() + text[1:]
-    elif kind == 3:
-        text = f'"{s.capitalize()} {v} {o}," she said, "and it cost {rng.randrange(2, 999)} dollars."'
-    else:
-        text = f"On {rng.randrange(1, 29)}/{rng.randrange(1, 13)}/{rng.randrange(1950, 2030)} {s} {a} {v} {o}!"
-    return text
-
-
-def sentence(rng: random.Random) -> str:
-    """One filler sentence in the tokenizer corpus's style (the haystack of `tasks.py`)."""
-    return _sentence(rng)
-
-
-def training_corpus() -> list[str]:
-    """A deterministic English corpus of about 30 KB: template sentences from the word lists above."""
-    rng = random.Random(CORPUS_SEED)
-    return [_sentence(rng) for _ in range(CORPUS_SENTENCES)]
-
 
 def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = ()) -> Tokenizer:
     """Byte-level BPE (so any text round-trips) with the ChatML special tokens at ids 0, 1, 2, trained on
@@ -204,8 +139,6 @@ def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
     if not preset.task_words:
         return train_tokenizer(preset.vocab_size)
-    from tailreplay_sglang.tasks import vocabulary_texts  # tasks builds on this module's corpus
-
     return train_tokenizer(preset.vocab_size, vocabulary_texts())
 
 
