@@ -1,20 +1,34 @@
-"""Radix-cache backend `tail_replay`: SGLang's UnifiedRadixCache with FA KV in the tree and no recurrent states.
+"""Radix-cache backend `tail_replay`: SGLang's UnifiedRadixCache with FA KV at every token and recurrent states
+(anchors) only where an exact one came free.
 
-The MAMBA component is replaced by one whose nodes never hold a state: every node with KV is a valid match end,
-so a hit is usable at any token boundary (SGLang's own cap of input_len - 1 stays). A hit request gets a fresh,
-cleared mamba slot from SGLang's allocator (as if nothing matched) and is marked for replay; finished requests free
-their slot instead of donating it to the tree. Eviction, locking and flush stay SGLang's: only the FULL component
-decides whether a node lives.
+The MAMBA component is replaced by one for which every node with KV is a valid match end, so a hit is usable at
+any token boundary (SGLang's own cap of input_len - 1 stays). On a hit of m tokens it looks up the deepest node on
+the matched path that holds a state, the anchor at depth c:
+- m - c within the exact budget: the request gets its own slot holding a copy of the anchor's state and replays
+  [c, m) from it (exact);
+- otherwise (or with no anchor) a fresh, cleared slot and the paper's zero-init tail (approximate).
+Requests whose state is exact donate it to the tree as stock no_buffer does (where they end, where each prefill
+chunk ends); interval anchors are added by `anchors.py`. An approximate state is never stored. States are evicted by
+SGLang's mamba LRU; evicting one keeps the node's KV, which still hits through the zero-init tail. With an exact
+budget of 0 no node ever holds a state: the paper's pure mode.
 """
 
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURefreshPhase
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.layout import SUPPORTED
+from tailreplay_sglang.pending import Match
+from tailreplay_sglang.state import RuntimeState
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
-REPLAY_ATTR = "tail_replay_match"  # set on a Req whose match needs its GDN states rebuilt
+MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be rebuilt before its extend
+EXACT_ATTR = "tail_replay_exact"  # False on a Req whose state came from a zero-init tail: it donates no anchor
+
+
+def is_exact(req) -> bool:
+    return getattr(req, EXACT_ATTR, True)
 
 
 class TailReplayMambaComponent(MambaComponent):
@@ -24,23 +38,100 @@ class TailReplayMambaComponent(MambaComponent):
     def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
         return result._replace(mamba_branching_seqlen=None)
 
+    def refresh_lru(self, phase, node, root_node):
+        # Stock refreshes the match end's state; ours is the anchor above it (or none), so used anchors stay warm.
+        if phase == LRURefreshPhase.MATCH_END:
+            anchor, _ = self.deepest_anchor(node, 0)
+            if anchor is not None:
+                self.tree_core.lru_lists[self.component_type].reset_node_mru(anchor)
+
+    def deepest_anchor(self, node, depth: int):
+        """(node, depth) of the deepest node holding a device state on the path ending at `node` (at `depth`),
+        or (None, 0). No anchor is ever used with an exact budget of 0."""
+        if not RuntimeState.config.anchored:
+            return None, 0
+        ct = self.component_type
+        while node is not None and node is not self.tree_core.root_node:
+            if node.component_data[ct].value is not None:
+                return node, depth
+            depth -= len(node.key)
+            node = node.parent
+        return None, 0
+
     def finalize_match_result_in_cache(self, params, result):
         req = params.req
         # A request that already holds a slot (chunked prefill, checkpoint re-match) keeps its live state.
-        if params.cow_mamba and req is not None and not req.kv.holds_mamba:
-            setattr(req, REPLAY_ATTR, result.device_prefix_len)
+        if not params.cow_mamba or req is None or req.kv.holds_mamba:
+            return result
+        config, m = RuntimeState.config, result.device_prefix_len
+        anchor, c = self.deepest_anchor(self.tree_core.node_by_id(result.best_match_node), m)
+        if anchor is not None and m - c <= config.budget(m):
+            self._copy_state_into_new_slot(req, anchor)
+            setattr(req, MATCH_ATTR, Match(m, c))
+            setattr(req, EXACT_ATTR, True)
+        else:  # SGLang gives the request a cleared slot at prepare_for_extend
+            setattr(req, MATCH_ATTR, Match(m, None))
+            setattr(req, EXACT_ATTR, config.is_exact_fallback(m))
         return result
 
-    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        return  # nodes never hold a recurrent state
+    def _copy_state_into_new_slot(self, req, anchor) -> None:
+        """The request's own slot, holding the anchor's state.
+
+        Copied now rather than through SGLang's deferred copy-on-write at the forward: the request's tree lock
+        covers the state of its match end, not the anchor's, so until then any slot allocation could evict the
+        anchor and reuse its slot. Allocating under a lock on the anchor keeps it alive for the copy.
+        """
+        src = anchor.component_data[self.component_type].value
+        lock = self.cache.inc_lock_ref(anchor.id)
+        try:
+            dst = self._alloc_mamba_slot()
+        finally:
+            self.cache.dec_lock_ref(anchor.id, lock.to_dec_params())
+        pool = self.cache.req_to_token_pool
+        pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)), pool.translate_mamba_indices(dst))
+        req.kv.mamba_pool_idx = dst[0]
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = False
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        insert_params.mamba_value = None
+        if RuntimeState.config.anchored and is_exact(req):
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        insert_params.mamba_value = None  # an approximate state is never an anchor
         return token_ids_len
 
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        if params.mamba_value is not None:
+            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+        if RuntimeState.config.anchored and is_exact(req):
+            return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)
+
+    def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
+        if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None:
+            RuntimeState.count_evicted_anchor()
+        return super().evict_component(node, device_frees, host_frees, cache_actions, target)
+
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        """One step of the mamba LRU walk: tombstone the least recently used unlocked anchor, leaf or not.
+
+        Stock evicts a leaf whole when its state is chosen, KV included, because a stock hit needs the state. Here
+        the KV still hits without it (zero-init tail), so only the state goes and the KV stays to FULL's LRU.
+        """
+        ct = self.component_type
+        lru = self.tree_core.lru_lists[ct]
+        if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
+            self._evict_device_cursor = lru.get_lru_no_lock()
+        node = self._evict_device_cursor
+        if node is None or tracker[ct] >= self._evict_device_request_cnt:
+            return None
+        self._evict_device_cursor = lru.get_prev_no_lock(node)
+        self.tree_core._evict_component_and_detach_lru(node, self, target=EvictLayer.DEVICE, tracker=tracker,
+                                                       device_frees=device_frees, host_frees=host_frees,
+                                                       cache_actions=cache_actions)
+        return None
 
 
 def create_tail_replay_cache(ctx):

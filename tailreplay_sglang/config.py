@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 
 ENV_VAR = "TAILREPLAY_CONFIG"
 MODES = ("ratio", "full", "zero")
-HIDDEN_DTYPES = ("bfloat16", "float32")
+HIDDEN_DTYPES = ("auto", "bfloat16", "float32")
+GDN_CHUNK = 64  # the chunk of the GDN prefill kernels: interval anchors are taken at chunk boundaries
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")
 
@@ -26,10 +27,17 @@ class TailReplayConfig:
     ratio: float = 0.05  # replay k = ceil(ratio * m) of a matched prefix of m tokens ...
     min_tokens: int = 64  # ... but at least this many (replay error tracks the absolute tail length) ...
     max_tokens: int | None = None  # ... and at most this many; never more than m
-    hidden_dtype: str = "bfloat16"  # dtype of the stored per-token group inputs
+    hidden_dtype: str = "auto"  # dtype of the stored per-token group inputs; auto: the model's activation dtype
     mode: str = "ratio"  # ratio | full (replay the whole prefix: exact) | zero (no replay: the paper's baseline)
     hidden_tier: str | None = None  # where the hidden store lives: device | host; None: chosen for the device
     h2d: str = "ovl"  # a host-tier hit's tail load: ser (before the replay) | ovl (overlapped with it)
+    # Anchored replay: recurrent states kept in the tree (anchors) where a request ends, where a prefill chunk ends,
+    # and every `anchor_interval` tokens of a prefill (0: no interval anchors). A hit of m tokens whose deepest
+    # anchor c has m - c <= budget starts from a copy of that state and replays [c, m): exact. Past the budget, or
+    # with no anchor, the paper's zero-init tail. exact_budget None: max(tail_len(m), anchor_interval);
+    # 0: anchored replay off (no anchor kept or used: the paper's pure mode).
+    anchor_interval: int = 512
+    exact_budget: int | None = None
 
     def __post_init__(self):
         if not 0.0 < self.ratio <= 1.0:
@@ -50,6 +58,11 @@ class TailReplayConfig:
         if self.hidden_tier not in (None, *HIDDEN_TIERS):
             raise TailReplayConfigError(
                 f"--tail-replay-hidden-tier must be one of {', '.join(HIDDEN_TIERS)}, got {self.hidden_tier!r}")
+        if self.anchor_interval < 0 or self.anchor_interval % GDN_CHUNK:
+            raise TailReplayConfigError(f"--tail-replay-anchor-interval must be 0 (off) or a positive multiple of "
+                                        f"{GDN_CHUNK} (the GDN chunk), got {self.anchor_interval}")
+        if self.exact_budget is not None and self.exact_budget < 0:
+            raise TailReplayConfigError(f"--tail-replay-exact-budget must be >= 0, got {self.exact_budget}")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
 
@@ -63,6 +76,28 @@ class TailReplayConfig:
         if self.max_tokens is not None:
             k = min(k, self.max_tokens)
         return min(k, matched)
+
+    def hidden_torch_dtype(self, model_dtype):
+        """The stored hiddens' torch dtype: the model's activation dtype under auto, so that replaying them
+        reproduces the forward that wrote them (exact where anchored)."""
+        import torch
+
+        return model_dtype if self.hidden_dtype == "auto" else getattr(torch, self.hidden_dtype)
+
+    @property
+    def anchored(self) -> bool:
+        """Whether anchors are kept and used at all (exact budget not 0)."""
+        return self.exact_budget != 0
+
+    def budget(self, matched: int) -> int:
+        """Most tokens an anchored (exact) replay of a `matched`-token hit may take."""
+        if self.exact_budget is not None:
+            return self.exact_budget
+        return max(self.tail_len(matched), self.anchor_interval)
+
+    def is_exact_fallback(self, matched: int) -> bool:
+        """Whether the zero-init path is exact for this hit anyway: nothing matched, or the whole prefix replayed."""
+        return matched == 0 or self.tail_len(matched) == matched
 
     # ---- hand-off to spawned scheduler processes ----
 

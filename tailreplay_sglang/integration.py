@@ -1,7 +1,8 @@
 """Where Tail-Replay plugs into SGLang's scheduler process (registered by `plugin.register` when enabled).
 
 Lifecycle of a hit:
-1. the radix cache matches any token boundary and marks the request (`cache.py`);
+1. the radix cache matches any token boundary, copies the deepest kept state (anchor) within the exact budget into
+   the request's slot and marks the request (`cache.py`);
 2. `ScheduleBatch.prepare_for_extend` (after): marked requests, now with a request-pool row and their final
    prefix length, become pending replays;
 3. `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` (after SGLang cleared the new slots): the pending
@@ -16,8 +17,8 @@ import time
 
 import torch
 
-from tailreplay_sglang import capture, pool_report, replay, visibility
-from tailreplay_sglang.cache import RADIX_CACHE_BACKEND, REPLAY_ATTR, create_tail_replay_cache
+from tailreplay_sglang import anchors, capture, pool_report, replay, visibility
+from tailreplay_sglang.cache import MATCH_ATTR, RADIX_CACHE_BACKEND, create_tail_replay_cache, is_exact
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.hidden_store import HiddenStore, bytes_per_token
 from tailreplay_sglang.layout import HybridLayout
@@ -30,15 +31,15 @@ logger = logging.getLogger(__name__)
 FAULT_REPLAY_DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
 
 
-def _hidden_dtype() -> torch.dtype:
-    return getattr(torch, RuntimeState.config.hidden_dtype)
+def _hidden_dtype(model_config) -> torch.dtype:
+    return RuntimeState.config.hidden_torch_dtype(model_config.dtype)
 
 
 def add_store_to_cell_size(original, configurator, kvc, num_layers):
     cell = original(configurator, kvc, num_layers)
     if RuntimeState.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
         return cell
-    extra = bytes_per_token(HybridLayout.from_hf_config(kvc.model_config.hf_config), _hidden_dtype())
+    extra = bytes_per_token(HybridLayout.from_hf_config(kvc.model_config.hf_config), _hidden_dtype(kvc.model_config))
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
     return cell + extra
 
@@ -49,8 +50,9 @@ def create_store(result, runner, *args, **kwargs):
     layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = RuntimeState.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
-    RuntimeState.store = HiddenStore(layout, num_slots, _hidden_dtype(), runner.device, tier)
+    RuntimeState.store = HiddenStore(layout, num_slots, _hidden_dtype(runner.model_config), runner.device, tier)
     capture.install(runner.model.model.layers, RuntimeState.store)
+    _log_anchor_bytes(runner, layout)
     from sglang.srt.runtime_context import get_observability
 
     if get_observability().enable_metrics:
@@ -58,14 +60,49 @@ def create_store(result, runner, *args, **kwargs):
     return result
 
 
+def anchor_bytes(pool, layout: HybridLayout) -> int:
+    """Bytes of one mamba slot (conv + SSM state of every GDN layer): what each anchor costs."""
+    total = 0
+    for layer_id in (i for g in layout.groups for i in g.gdn_layers):
+        cache = pool.mamba2_layer_cache(layer_id)
+        total += sum(c[0].numel() * c.element_size() for c in cache.conv)
+        total += cache.temporal[0].numel() * cache.temporal.element_size()
+    return total
+
+
+def _log_anchor_bytes(runner, layout: HybridLayout) -> None:
+    config = RuntimeState.config
+    if not config.anchored:
+        logger.info("Tail-Replay: anchored replay off (--tail-replay-exact-budget 0): no recurrent state is kept")
+        return
+    per_anchor = anchor_bytes(runner.req_to_token_pool, layout)
+    interval = config.anchor_interval
+    logger.info("Tail-Replay anchors: %d B per anchor (one mamba slot); interval %s%s", per_anchor,
+                interval or "off", f" = {per_anchor / interval:.0f} B per cached token" if interval else "")
+
+
 def mark_pending(result, batch, *args, **kwargs):
     for req in batch.reqs:
-        matched = getattr(req, REPLAY_ATTR, None)
-        if matched is None:
+        match = getattr(req, MATCH_ATTR, None)
+        if match is None:
             continue
-        setattr(req, REPLAY_ATTR, None)
+        setattr(req, MATCH_ATTR, None)
         if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
-            RuntimeState.pending.add(int(req.kv.req_pool_idx), req.prefix_len, req)
+            RuntimeState.pending.add(int(req.kv.req_pool_idx), match, req)
+    if RuntimeState.interval_anchors is not None:
+        RuntimeState.interval_anchors.plan(batch.reqs, batch.req_to_token_pool, is_exact)
+    return result
+
+
+def insert_interval_anchors(result, cache, req, *args, **kwargs):
+    if RuntimeState.interval_anchors is not None:
+        RuntimeState.interval_anchors.commit(cache, req)
+    return result
+
+
+def drop_interval_anchors(result, cache, req, *args, **kwargs):
+    if RuntimeState.interval_anchors is not None:
+        RuntimeState.interval_anchors.drop(cache.req_to_token_pool, req)
     return result
 
 
@@ -84,6 +121,7 @@ def register(config: TailReplayConfig) -> None:
     RuntimeState.config = config
     RuntimeState.fault_replay_delay_s = float(os.environ.get(FAULT_REPLAY_DELAY_ENV, "0"))
     register_radix_cache_backend(RADIX_CACHE_BACKEND, create_tail_replay_cache)
+    _register_interval_anchors(config, HookRegistry, HookType)
     runner = "sglang.srt.model_executor.model_runner.ModelRunner"
     HookRegistry.register(
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
@@ -99,6 +137,21 @@ def register(config: TailReplayConfig) -> None:
     HookRegistry.register("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._evict",
                           pool_report.EvictionCounter.count, HookType.AFTER)
     _register_meta_info(HookRegistry, HookType)
+
+
+def _register_interval_anchors(config: TailReplayConfig, HookRegistry, HookType) -> None:
+    if not (config.anchored and config.anchor_interval):
+        return
+    if not anchors.capture_available():
+        logger.warning("Tail-Replay: --tail-replay-anchor-interval needs the torch GDN prefill ops (CPU without "
+                       "sgl-kernel) for now; only request-end and chunk-end anchors are kept")
+        return
+    from tailreplay_sglang.cpu.sgl_kernel_shim import STATE_CHECKPOINTS
+
+    RuntimeState.interval_anchors = anchors.IntervalAnchors(config.anchor_interval, STATE_CHECKPOINTS)
+    cache = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+    HookRegistry.register(f"{cache}.checkpoint_into_tree", insert_interval_anchors, HookType.AFTER)
+    HookRegistry.register(f"{cache}.on_release", drop_interval_anchors, HookType.AFTER)
 
 
 def _register_meta_info(HookRegistry, HookType) -> None:

@@ -11,7 +11,6 @@ import logging
 import sys
 
 from tailreplay_sglang import validation, visibility
-from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
 from tailreplay_sglang.config import (H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
                                       TailReplayConfigError)
 from tailreplay_sglang.layout import HybridLayout
@@ -19,7 +18,8 @@ from tailreplay_sglang.layout import HybridLayout
 logger = logging.getLogger(__name__)
 
 _OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
-                 "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d")
+                 "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d",
+                 "tail_replay_anchor_interval", "tail_replay_exact_budget")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tail-replay-min-tokens", type=int, default=None, help="replay at least N tokens (default 64)")
     group.add_argument("--tail-replay-max-tokens", type=int, default=None, help="replay at most N tokens (no cap)")
     group.add_argument("--tail-replay-hidden-dtype", choices=HIDDEN_DTYPES, default=None,
-                       help="dtype of the stored group hiddens (default bfloat16)")
+                       help="dtype of the stored group hiddens (default auto: the model's activation dtype, so a "
+                            "replay reproduces the forward exactly)")
     group.add_argument("--tail-replay-mode", choices=MODES, default=None,
                        help="ratio (default); full: replay the whole prefix (exact); zero: reuse FA KV with zero "
                             "GDN states (the paper's baseline)")
@@ -42,6 +43,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tail-replay-h2d", choices=H2D_MODES, default=None,
                        help="host tier: load a hit's tail before the replay (ser) or overlapped with it on a copy "
                             "stream (ovl, default)")
+    group.add_argument("--tail-replay-anchor-interval", type=int, default=None,
+                       help="keep a recurrent state (anchor) every N tokens of a prefill, N a multiple of 64; 0: only "
+                            "where requests and prefill chunks end (default 512)")
+    group.add_argument("--tail-replay-exact-budget", type=int, default=None,
+                       help="replay at most B tokens from the deepest anchor of a hit (exact); past it, the zero-init "
+                            "tail. 0: no anchors at all (the paper's mode). Default: max(tail length, anchor interval)")
 
 
 def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
@@ -71,6 +78,8 @@ def _check_combination(args: argparse.Namespace) -> None:
     for dest, flag in refused.items():
         if getattr(args, dest, None):
             raise TailReplayConfigError(f"--enable-tail-replay does not support {flag} yet")
+    from tailreplay_sglang.cache import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
+
     backend = getattr(args, "radix_cache_backend", None)
     if backend not in (None, RADIX_CACHE_BACKEND):
         raise TailReplayConfigError(f"--enable-tail-replay selects its own radix cache; drop --radix-cache-backend "
@@ -112,6 +121,8 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
         raise SystemExit(2) from None
     cfg.to_env()  # scheduler processes are spawned with this environment
     if cfg.enabled:
+        from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
+
         args.radix_cache_backend = RADIX_CACHE_BACKEND
         logger.info("Tail-Replay enabled: %s", cfg)
     return original(cls, args, *rest, **kwargs)

@@ -1,11 +1,17 @@
 """The replay pass: rebuild hit requests' GDN states from a tail of their matched prefix, before their extend.
 
-On a hit of m tokens a request gets a cleared mamba slot and k = config.tail_len(m) tokens to replay. Every group
-replays independently from a zero state over tokens [m - k, m): group 0 from the embeddings of those tokens, later
-groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN
+On a hit of m tokens a request's mamba slot holds either a copy of the anchor state kept at depth c (`cache.py`:
+anchored, exact), and it replays [c, m), or a cleared state, and it replays the paper's tail [m - k, m) with
+k = config.tail_len(m) (approximate unless k = m). Every group replays independently from its slot state over those
+tokens: group 0 from the embeddings of the tokens, later groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN
 (`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch ops on CPU) with its states written into the request's
 slot; the group's last GDN layer computes only its state (its outputs, norm, output projection and FFN feed nothing
 the next group uses). All hit requests of a prefill batch replay together as one varlen batch.
+
+For a zero-init tail the pass also reports how much of the dropped prefix state could still count at m: the
+largest, over GDN layers and heads, of exp(sum of the log-gates over the tail). Each GDN step multiplies the state by
+its gate and a non-expansive (I - beta k k^T) (unit-norm k, beta in (0, 2]), so this bounds, in operator norm, the
+share of the true state at m - k that survives to m (`tail_replay_state_survival`).
 """
 
 import logging
@@ -14,38 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.nn.functional as F
+
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
+from tailreplay_sglang.pending import Match, PendingReplays
 from tailreplay_sglang.transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
-
-
-class PendingReplays:
-    """Hit requests between prepare_for_extend and their forward, keyed by request-pool row."""
-
-    def __init__(self):
-        self._by_row: dict[int, tuple[int, object]] = {}
-
-    def add(self, req_pool_idx: int, matched: int, req) -> None:
-        self._by_row[req_pool_idx] = (matched, req)
-
-    def take(self, req_pool_indices: list[int], prefix_lens: list[int]) -> list[tuple[int, int, object]]:
-        """(batch row, matched length, req) of rows whose pending match is the prefix they extend from."""
-        rows = []
-        for row, (pool_idx, prefix) in enumerate(zip(req_pool_indices, prefix_lens)):
-            matched, req = self._by_row.pop(pool_idx, (None, None))
-            if matched is not None and matched == prefix and prefix > 0:
-                rows.append((row, matched, req))
-        # An entry lives from one prepare_for_extend to that batch's forward. One left over (its request was
-        # aborted or retracted in between) must not be picked up by a later request on the same row.
-        self._by_row.clear()
-        return rows
-
-    def __len__(self) -> int:
-        return len(self._by_row)
 
 
 @dataclass
@@ -54,23 +38,31 @@ class ReplayBatch:
 
     kv_slots: torch.Tensor  # [sum k] KV slot of every replayed token
     cu_seqlens: torch.Tensor  # [n + 1]
-    mamba_slots: torch.Tensor  # [n] each request's (cleared) mamba slot
+    mamba_slots: torch.Tensor  # [n] each request's mamba slot: a copied anchor state or a cleared one
     tail_lens: list[int]
     reqs: list
+    log_survival: torch.Tensor | None = None  # [n] filled by `run`: max over layers and heads of the tail's log-gates
 
 
-def plan(runner, forward_batch, rows: list[tuple[int, int, object]], config: TailReplayConfig) -> ReplayBatch | None:
+def replay_start(match: Match, config: TailReplayConfig) -> int:
+    """First replayed position of a hit: its anchor, or the start of the zero-init tail."""
+    if match.anchor is not None:
+        return match.anchor
+    return match.matched - config.tail_len(match.matched)
+
+
+def plan(runner, forward_batch, rows: list[tuple[int, Match, object]], config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
     req_pool_indices = forward_batch.req_pool_indices
     spans, mamba_rows, lens, reqs = [], [], [], []
-    for row, matched, req in rows:
-        k = config.tail_len(matched)
-        if k == 0:
+    for row, match, req in rows:
+        start = replay_start(match, config)
+        if start == match.matched:  # an anchor at the match end, or the paper's zero mode: nothing to replay
             continue
         pool_idx = req_pool_indices[row]
-        spans.append(pool.req_to_token[pool_idx, matched - k:matched].long())
+        spans.append(pool.req_to_token[pool_idx, start:match.matched].long())
         mamba_rows.append(pool_idx)
-        lens.append(k)
+        lens.append(match.matched - start)
         reqs.append(req)
     if not spans:
         return None
@@ -86,6 +78,7 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
     dtype = model.embed_tokens.weight.dtype
     h2d = HostToDevice(runner.device, h2d_mode)
     inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
+    batch.log_survival = torch.full((len(batch.reqs),), float("-inf"), device=batch.mamba_slots.device)
     for group in store.layout.groups:
         key = group.first_layer if store.is_stored(group.first_layer) else TOKENS
         h2d.wait(key)  # group g's replay waits for its own input only, not for later groups' loads
@@ -106,6 +99,8 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     qkvz, ba = la._forward_input_proj(h)
     q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)  # the model's own layout of its projections
     T = h.shape[0]
+    batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(a.reshape(T, -1), la.A_log, la.dt_bias,
+                                                                             batch))
     mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
     core = replay_gdn_layer(mixed, a.reshape(T, -1), b.reshape(T, -1), la.attn.conv_weights, la.attn.bias,
                             la.A_log, la.dt_bias, batch.cu_seqlens, batch.mamba_slots, cache.conv[0],
@@ -118,17 +113,33 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def tail_log_survival(a, A_log, dt_bias, batch: ReplayBatch) -> torch.Tensor:
+    """[n] max over heads of sum_t g_t over each tail, g = -exp(A_log) softplus(a + dt_bias) (the GDN log-gate):
+    T x HV work next to a layer's projections, so the indicator costs almost nothing."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), threshold=20.0)  # [T, HV]
+    lens = torch.tensor(batch.tail_lens, device=g.device)
+    seq = torch.repeat_interleave(torch.arange(len(batch.tail_lens), device=g.device), lens)
+    sums = torch.zeros(len(batch.tail_lens), g.shape[1], device=g.device).index_add_(0, seq, g)
+    return sums.max(dim=1).values
+
+
 def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingReplays, config: TailReplayConfig,
                 metrics=None) -> ReplayBatch | None:
     rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
+    for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
+        exact = match.anchor is not None or config.is_exact_fallback(match.matched)
+        visibility.record_hit(req, match.anchor, exact, survival=None if exact else 1.0)
+        if metrics is not None:
+            metrics.observe_hit(exact)
     batch = plan(runner, forward_batch, rows, config) if rows else None
     if batch is None:
         return None
     start = time.perf_counter()
     run(runner, store, batch, config.h2d)
     seconds = time.perf_counter() - start
-    for req, k in zip(batch.reqs, batch.tail_lens):
-        visibility.record(req, k, seconds * 1e3)
+    survival = batch.log_survival.exp().tolist()
+    for req, k, s in zip(batch.reqs, batch.tail_lens, survival):
+        visibility.record_replay(req, k, seconds * 1e3, s)
     if metrics is not None:
         metrics.observe(len(batch.reqs), sum(batch.tail_lens), seconds)
     logger.info("Tail-Replay: %d request(s), %d token(s) replayed in %.1f ms", len(batch.tail_lens),

@@ -159,8 +159,8 @@ def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, t
     from tailreplay_sglang.eval.models import build_model
 
     hf_config = AutoConfig.from_pretrained(build_model("tiny-qwen35", tmp_path / "m"))
-    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, dtype=torch.float32))
     monkeypatch.setattr(RuntimeState, "config", TailReplayConfig(enabled=True, hidden_tier=tier))
     cell = integration.add_store_to_cell_size(lambda *args: 1000, None, kvc, 8)
-    store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.bfloat16)
+    store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.float32)  # auto: the model dtype
     assert cell == 1000 + (store if extra else 0)

@@ -7,8 +7,10 @@
 - `test_sm90_compile_*`: the kernels compiled for an H100/H200 (sm_90) without a GPU (ptxas ships with Triton), so
   errors that only the GPU compiler raises show up on CPU too.
 - `test_torch_*`: the torch CPU path of the replay, the function the server calls on CPU.
-States land in NaN-filled pools: a kernel that read a slot instead of starting from zero, or wrote the wrong slot,
-shows up as NaN.
+Every tail starts from the states in its mamba slot. Pools are NaN except at the tails' slots, which hold zeros (a
+slot SGLang cleared: `cleared` cases) or random states (an anchor's states copied in: `anchor` cases): a kernel that
+reads or writes any other slot shows up as NaN, one that ignores the slot's state fails the `anchor` cases, and
+`test_*_anchored_replay_*` check the point of it all: anchor prefix, then tail from the slot == whole sequence.
 """
 
 import os
@@ -51,6 +53,15 @@ LAYER_CASES = [
     pytest.param([3, 70, 1], 2, 4, 16, 16, id="varlen3"),
     pytest.param([130], 1, 2, 32, 32, id="T130"),
 ]
+RANDOM_SEEDS = [0, 1, 2, 3]
+# (anchor prefix lengths, tail lengths, H, HV, K, V): the conv's width - 1 is 3, so 1 and 2 are prefixes and tails
+# shorter than a conv state, whose states mix the anchor's context and the tail's inputs
+ANCHOR_CASES = [
+    pytest.param([40, 2, 17, 1], [30, 1, 64, 2], 2, 4, 16, 16, id="varlen4-short"),
+    pytest.param([100], [37], 1, 2, 32, 32, id="T100+37"),
+]
+# what the tails' slots hold before the replay: zeros (SGLang cleared them) or an anchor's states (random here)
+INITIAL = ["cleared", "anchor"]
 
 
 def _tails(lengths, device):
@@ -70,6 +81,22 @@ def _nan_pool(*shape, device, dtype=torch.float32):
     return torch.full((NUM_SLOTS, *shape), float("nan"), dtype=dtype, device=device)
 
 
+def _initial_states(initial: str, N: int, *shape):
+    """[N, *shape] random states for `anchor`; None (zeros, the references' default) for `cleared`."""
+    return torch.randn(N, *shape) if initial == "anchor" else None
+
+
+def _slot_pool(pool, slots, states=None):
+    """`pool` (NaN) with the tails' slots holding `states` ([N, ...]) or zeros when None; returns the pool."""
+    pool[slots] = 0. if states is None else states.to(device=pool.device, dtype=pool.dtype)
+    return pool
+
+
+def _f64_or_none(states, dtype=torch.float32):
+    """The reference's view of initial states: as the pool of `dtype` stores them, in float64."""
+    return None if states is None else states.to(dtype).double()
+
+
 def _assert_only_slots_written(pool, slots):
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots.cpu()] = False
@@ -78,6 +105,46 @@ def _assert_only_slots_written(pool, slots):
 
 def _f64(*tensors):
     return [t.detach().double().cpu() for t in tensors]
+
+
+def _random_layer_case(seed: int):
+    """(lengths, H, HV, K, V, conv width) drawn from `seed`: 1-4 tails of 1-80 tokens, the first shorter than the
+    conv state (width - 1) whenever the width allows it."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    width = pick([2, 3, 4])
+    lengths = torch.randint(1, 81, (pick([1, 2, 3, 4]),), generator=gen).tolist()
+    if width > 2:
+        lengths[0] = pick(list(range(1, width - 1)))
+    H = pick([1, 2])
+    return lengths, H, H * pick([1, 2, 3]), pick([8, 16, 24, 32]), pick([8, 16, 24, 48]), width
+
+
+def _tail_tokens(prefix_lens, tail_lens):
+    """Indices of the tails' tokens in the packed whole sequences (prefix i then tail i)."""
+    starts = torch.tensor([0] + [p + t for p, t in zip(prefix_lens, tail_lens)]).cumsum(0)
+    return torch.cat([torch.arange(s + p, s + p + t) for s, p, t in zip(starts.tolist(), prefix_lens, tail_lens)])
+
+
+def _split_anchored(layer_inputs, prefix_lens, tail_lens):
+    """Layer inputs of whole sequences -> ((prefix inputs, cu), (tail inputs, cu), cu of the whole sequences).
+
+    The token tensors (mixed_qkv, a, b: the first three) are split, the weights shared."""
+    tail = _tail_tokens(prefix_lens, tail_lens)
+    is_prefix = torch.ones(sum(prefix_lens) + sum(tail_lens), dtype=torch.bool)
+    is_prefix[tail] = False
+
+    def cu(lengths):
+        return torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
+
+    def part(tokens):
+        return [x[tokens] for x in layer_inputs[:3]] + list(layer_inputs[3:])
+
+    whole = [p + t for p, t in zip(prefix_lens, tail_lens)]
+    return (part(is_prefix), cu(prefix_lens)), (part(tail), cu(tail_lens)), cu(whole)
 
 
 # ---- Triton kernels ----
@@ -118,21 +185,26 @@ def test_triton_gather_tail_hiddens_from_pinned_host_store():
 
 
 @triton_runs_here
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("lengths", [[1], [2, 3, 1], [17, 2, 40, 70]], ids=["T1", "all-shorter-than-width", "varlen4"])
-def test_triton_replay_causal_conv1d_matches_reference(lengths, with_bias):
-    dim, width = 40, 4  # dim not a multiple of the block
+@pytest.mark.parametrize("lengths,width", [([1], 4), ([2, 3, 1], 4), ([17, 2, 40, 70], 4), ([1, 5, 33], 2),
+                                           ([1, 2, 64, 3], 5)],
+                         ids=["T1", "all-shorter-than-width", "varlen4", "width2", "width5"])
+def test_triton_replay_causal_conv1d_matches_reference(lengths, width, with_bias, initial):
+    dim = 40  # not a multiple of the block
     x, weight = torch.randn(sum(lengths), dim), torch.randn(dim, width)
     bias = torch.randn(dim) if with_bias else None
     cu, slots = _tails(lengths, DEVICE)
+    init = _initial_states(initial, len(lengths), dim, width - 1)
     # dim-contiguous pool, as SGLang may lay it out: the kernel takes strides
-    states = _nan_pool(width - 1, dim, device=DEVICE).transpose(1, 2)
+    states = _slot_pool(_nan_pool(width - 1, dim, device=DEVICE).transpose(1, 2), slots, init)
     y = kernels.replay_causal_conv1d(x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE),
                                      cu, slots, states)
     ref_y, ref_states = kernels.naive_replay_causal_conv1d(*_f64(x, weight), None if bias is None else bias.double(),
-                                                           cu.cpu())
+                                                           cu.cpu(), _f64_or_none(init))
     assert rel_err(y.cpu(), ref_y) < TOL
-    assert torch.equal(states[slots].cpu().double(), ref_states)  # a copy of the inputs, zeros before the tail
+    # a copy of the last inputs, preceded by the end of the initial context where the tail is shorter than it
+    assert torch.equal(states[slots].cpu().double(), ref_states)
     _assert_only_slots_written(states, slots)
 
 
@@ -142,15 +214,17 @@ def _gdn_inputs(lengths, H, HV, K, V):
 
 
 @triton_runs_here
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES)
-def test_triton_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT):
+def test_triton_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT, initial):
     inputs = _gdn_inputs(lengths, H, HV, K, V)
     cu, slots = _tails(lengths, DEVICE)
-    pool, pool_state_only = _nan_pool(HV, V, K, device=DEVICE), _nan_pool(HV, V, K, device=DEVICE)
+    init = _initial_states(initial, len(lengths), HV, V, K)
+    pool, pool_state_only = (_slot_pool(_nan_pool(HV, V, K, device=DEVICE), slots, init) for _ in range(2))
     args = [x.to(DEVICE) for x in inputs] + [cu, slots]
     o = kernels.gdn_replay_fwd(*args, pool, chunk_size=BT)
     assert kernels.gdn_replay_fwd(*args, pool_state_only, state_only=True, chunk_size=BT) is None
-    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu())
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu(), initial_states=_f64_or_none(init))
     assert o.shape == inputs[2].shape and rel_err(o.cpu(), ref_o) < TOL
     assert rel_err(pool[slots].cpu(), ref_states) < TOL
     assert rel_err(pool_state_only[slots].cpu(), ref_states) < TOL
@@ -159,13 +233,15 @@ def test_triton_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT):
 
 
 @needs_cuda
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES[2:])
-def test_triton_gdn_replay_bfloat16(lengths, H, HV, K, V, BT):
+def test_triton_gdn_replay_bfloat16(lengths, H, HV, K, V, BT, initial):
     inputs = [x.to(torch.bfloat16) for x in _gdn_inputs(lengths, H, HV, K, V)]
     cu, slots = _tails(lengths, DEVICE)
-    pool = _nan_pool(HV, V, K, device=DEVICE)
+    init = _initial_states(initial, len(lengths), HV, V, K)
+    pool = _slot_pool(_nan_pool(HV, V, K, device=DEVICE), slots, init)  # float32 states, as SGLang keeps them
     o = kernels.gdn_replay_fwd(*[x.to(DEVICE) for x in inputs], cu, slots, pool, chunk_size=BT)
-    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu())
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu.cpu(), initial_states=_f64_or_none(init))
     assert o.dtype == torch.bfloat16 and rel_err(o.cpu(), ref_o) < BF16_TOL
     assert rel_err(pool[slots].cpu(), ref_states) < BF16_TOL
 
@@ -178,14 +254,20 @@ def _layer_inputs(lengths, H, HV, K, V, width=4):
     return mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias
 
 
-def _check_layer_replay(replay, lengths, H, HV, K, V, state_only, device, dtype=torch.float32, tol=TOL):
-    """replay(...) vs naive_replay_gdn_layer: outputs, and both pools written at the tails' slots only."""
-    inputs = [x.to(dtype) for x in _layer_inputs(lengths, H, HV, K, V)]
+def _check_layer_replay(replay, lengths, H, HV, K, V, state_only, device, dtype=torch.float32, tol=TOL,
+                        initial="cleared", width=4):
+    """replay(...) from the slots' states vs naive_replay_gdn_layer: outputs, and both pools written at the tails'
+    slots only."""
+    inputs = [x.to(dtype) for x in _layer_inputs(lengths, H, HV, K, V, width)]
     cu, slots = _tails(lengths, device)
-    conv_states = _nan_pool(inputs[0].shape[1], inputs[3].shape[1] - 1, device=device, dtype=dtype)
-    ssm_states = _nan_pool(HV, V, K, device=device)
+    conv_dim = inputs[0].shape[1]
+    conv_init = _initial_states(initial, len(lengths), conv_dim, width - 1)
+    ssm_init = _initial_states(initial, len(lengths), HV, V, K)
+    conv_states = _slot_pool(_nan_pool(conv_dim, width - 1, device=device, dtype=dtype), slots, conv_init)
+    ssm_states = _slot_pool(_nan_pool(HV, V, K, device=device), slots, ssm_init)
     o = replay(*[x.to(device) for x in inputs], cu, slots, conv_states, ssm_states, state_only=state_only)
-    ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*_f64(*inputs), cu.cpu(), HV, V, K)
+    ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*_f64(*inputs), cu.cpu(), HV, V, K,
+                                                              _f64_or_none(conv_init, dtype), _f64_or_none(ssm_init))
     assert o is None if state_only else rel_err(o.cpu(), ref_o) < tol
     assert torch.equal(conv_states[slots].cpu().double(), ref_conv)
     assert rel_err(ssm_states[slots].cpu(), ref_ssm) < tol
@@ -193,18 +275,54 @@ def _check_layer_replay(replay, lengths, H, HV, K, V, state_only, device, dtype=
     _assert_only_slots_written(ssm_states, slots)
 
 
+def _check_anchored_replay(replay, prefix_lens, tail_lens, H, HV, K, V, device, tol=TOL):
+    """The anchored replay: each anchor prefix replayed (state only) from a cleared slot, then each tail from the
+    states it left there == the whole sequences replayed from zero (float64 reference): the tails' outputs, the
+    final conv states (exact copies of inputs) and the final recurrent states."""
+    inputs = _layer_inputs([p + t for p, t in zip(prefix_lens, tail_lens)], H, HV, K, V)
+    (prefix, cu_prefix), (tail, cu_tail), cu_whole = _split_anchored(inputs, prefix_lens, tail_lens)
+    _, slots = _tails(prefix_lens, device)
+    conv_states = _slot_pool(_nan_pool(inputs[0].shape[1], inputs[3].shape[1] - 1, device=device), slots)
+    ssm_states = _slot_pool(_nan_pool(HV, V, K, device=device), slots)
+    pools = (slots, conv_states, ssm_states)
+    assert replay(*[x.to(device) for x in prefix], cu_prefix.to(device), *pools, state_only=True) is None
+    o = replay(*[x.to(device) for x in tail], cu_tail.to(device), *pools)
+    ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*_f64(*inputs), cu_whole, HV, V, K)
+    assert rel_err(o.cpu(), ref_o[_tail_tokens(prefix_lens, tail_lens)]) < tol
+    assert torch.equal(conv_states[slots].cpu().double(), ref_conv)
+    assert rel_err(ssm_states[slots].cpu(), ref_ssm) < tol
+    _assert_only_slots_written(conv_states, slots)
+    _assert_only_slots_written(ssm_states, slots)
+
+
 @triton_runs_here
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
 @pytest.mark.parametrize("lengths,H,HV,K,V", LAYER_CASES[:1])  # the GDN kernel's own cases cover the shapes
-def test_triton_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
-    _check_layer_replay(kernels.replay_gdn_layer_triton, lengths, H, HV, K, V, state_only, DEVICE)
+def test_triton_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only, initial):
+    _check_layer_replay(kernels.replay_gdn_layer_triton, lengths, H, HV, K, V, state_only, DEVICE, initial=initial)
+
+
+@triton_runs_here
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_triton_replay_gdn_layer_random_shapes_from_slot_states(seed):
+    lengths, H, HV, K, V, width = _random_layer_case(seed)
+    _check_layer_replay(kernels.replay_gdn_layer_triton, lengths, H, HV, K, V, False, DEVICE, initial="anchor",
+                        width=width)
+
+
+@triton_runs_here
+@pytest.mark.parametrize("prefix_lens,tail_lens,H,HV,K,V", ANCHOR_CASES)
+def test_triton_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H, HV, K, V):
+    _check_anchored_replay(kernels.replay_gdn_layer_triton, prefix_lens, tail_lens, H, HV, K, V, DEVICE)
 
 
 @needs_cuda
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
-def test_triton_replay_gdn_layer_bfloat16_through_dispatch(state_only):
+def test_triton_replay_gdn_layer_bfloat16_through_dispatch(state_only, initial):
     _check_layer_replay(kernels.replay_gdn_layer, [3, 70, 1], 2, 4, 32, 32, state_only, "cuda",
-                        dtype=torch.bfloat16, tol=BF16_TOL)
+                        dtype=torch.bfloat16, tol=BF16_TOL, initial=initial)
 
 
 # ---- GPU compilation, without a GPU ----
@@ -235,8 +353,9 @@ def test_sm90_compile_gdn_replay_kernel(dtype, state_only):
 @not_in_interpreter
 def test_sm90_compile_conv_and_gather_kernels():
     _compile_for_sm90(kernels.conv.replay_causal_conv1d_kernel,
-                      "x:*bf16 weight:*bf16 bias:*bf16 y:*bf16 conv_states:*bf16 cu_seqlens:*i32 slots:*i64 "
-                      "stride_x:i64 stride_w:i64 stride_y:i64 stride_s:i64 stride_s_d:i64 stride_s_w:i64 D:i32",
+                      "x:*bf16 weight:*bf16 bias:*bf16 y:*bf16 init:*bf16 conv_states:*bf16 cu_seqlens:*i32 "
+                      "slots:*i64 stride_x:i64 stride_w:i64 stride_y:i64 stride_i:i64 stride_i_d:i64 stride_i_w:i64 "
+                      "stride_s:i64 stride_s_d:i64 stride_s_w:i64 D:i32",
                       W=4, BW=4, BT=32, BD=128, HAS_BIAS=True)
     _compile_for_sm90(kernels.gather.gather_tail_hiddens_kernel,
                       "store:*bf16 slots:*i64 out:*bf16 stride_store:i64 stride_out:i64 D:i32", BD=1024)
@@ -244,20 +363,48 @@ def test_sm90_compile_conv_and_gather_kernels():
 
 # ---- torch CPU path ----
 
+@pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
 @pytest.mark.parametrize("lengths,H,HV,K,V,BT", GDN_CASES)
-def test_torch_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT, state_only):
+def test_torch_gdn_replay_matches_recurrence(lengths, H, HV, K, V, BT, state_only, initial):
     inputs = _gdn_inputs(lengths, H, HV, K, V)
     cu, _ = _tails(lengths, "cpu")
-    o, states = kernels.gdn_replay_torch(*inputs, cu, state_only=state_only)
-    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu)
+    init = _initial_states(initial, len(lengths), HV, V, K)
+    given = None if init is None else init.clone()  # updated in place with the final states
+    o, states = kernels.gdn_replay_torch(*inputs, cu, state_only=state_only, initial_states=given)
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(*inputs), cu, initial_states=_f64_or_none(init))
     assert o is None if state_only else rel_err(o, ref_o) < TOL
     assert states.dtype == torch.float32 and rel_err(states, ref_states) < TOL
+    assert given is None or torch.equal(given, states)
 
 
 @pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
 @pytest.mark.parametrize("lengths,H,HV,K,V",
                          LAYER_CASES + [pytest.param([300, 17, 64], 1, 2, 32, 48, id="varlen3-T300")])
-def test_torch_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only):
+@pytest.mark.parametrize("initial", INITIAL)
+def test_torch_replay_gdn_layer_matches_reference(lengths, H, HV, K, V, state_only, initial):
     """Through the dispatcher, as the server calls it: CPU tensors take the torch path."""
-    _check_layer_replay(kernels.replay_gdn_layer, lengths, H, HV, K, V, state_only, "cpu")
+    _check_layer_replay(kernels.replay_gdn_layer, lengths, H, HV, K, V, state_only, "cpu", initial=initial)
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_torch_replay_gdn_layer_random_shapes_from_slot_states(seed):
+    lengths, H, HV, K, V, width = _random_layer_case(seed)
+    _check_layer_replay(kernels.replay_gdn_layer, lengths, H, HV, K, V, False, "cpu", initial="anchor", width=width)
+
+
+@pytest.mark.parametrize("prefix_lens,tail_lens,H,HV,K,V", ANCHOR_CASES)
+def test_torch_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H, HV, K, V):
+    _check_anchored_replay(kernels.replay_gdn_layer, prefix_lens, tail_lens, H, HV, K, V, "cpu")
+
+
+@pytest.mark.parametrize("prefix_lens,tail_lens,H,HV,K,V", ANCHOR_CASES)
+def test_naive_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H, HV, K, V):
+    """The references' own initial states, in float64: anchor prefix, then tail from its states == whole sequence."""
+    inputs = _f64(*_layer_inputs([p + t for p, t in zip(prefix_lens, tail_lens)], H, HV, K, V))
+    (prefix, cu_prefix), (tail, cu_tail), cu_whole = _split_anchored(inputs, prefix_lens, tail_lens)
+    _, conv_anchor, ssm_anchor = kernels.naive_replay_gdn_layer(*prefix, cu_prefix, HV, V, K)
+    o, conv, ssm = kernels.naive_replay_gdn_layer(*tail, cu_tail, HV, V, K, conv_anchor, ssm_anchor)
+    ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*inputs, cu_whole, HV, V, K)
+    assert rel_err(o, ref_o[_tail_tokens(prefix_lens, tail_lens)]) < 1e-12
+    assert torch.equal(conv, ref_conv) and rel_err(ssm, ref_ssm) < 1e-12

@@ -37,10 +37,20 @@ class UnavailableKernel:
 
 # ---- sgl_kernel.mamba (plain Python functions, called positionally or by keyword) ----
 
+class StateCheckpoints:
+    """Mid-sequence states the prefill ops below also write, {slot: [(offset, destination slot), ...]}: set for
+    each prefill forward by Tail-Replay's interval anchors (`tailreplay_sglang/anchors.py`), empty otherwise."""
+
+    by_slot: dict[int, list[tuple[int, int]]] = {}
+
+
+STATE_CHECKPOINTS = StateCheckpoints()
+
+
 def causal_conv1d_fn_cpu(mixed_qkv_transposed, conv_weights, bias, activation, conv_states, has_initial_state,
                          cache_indices, query_start_loc, seq_lens_cpu=None, **unused):
     return conv.causal_conv1d_fwd(mixed_qkv_transposed, conv_weights, bias, conv_states, query_start_loc,
-                                  cache_indices, has_initial_state, activation)
+                                  cache_indices, has_initial_state, activation, STATE_CHECKPOINTS.by_slot)
 
 
 def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None, **unused):
@@ -52,7 +62,7 @@ def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head
     if head_first:
         raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first=True is not supported")
     o, final_state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
-                                                use_qk_l2norm_in_kernel)
+                                                use_qk_l2norm_in_kernel, checkpoints=STATE_CHECKPOINTS.by_slot)
     return o, final_state, None  # no per-chunk states (h), like sgl-kernel's CPU op
 
 

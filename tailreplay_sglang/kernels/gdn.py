@@ -1,7 +1,10 @@
-"""Gated DeltaNet replay from a zero state: one Triton kernel per (tail, value head, V-block), plus its reference.
+"""Gated DeltaNet replay from the state in each tail's mamba slot: one Triton kernel per (tail, value head, V-block),
+plus its reference.
 
 The replay pass needs, per GDN layer and per tail, the recurrent state after the tail (written into the request's
-mamba slot) and, except for the last GDN layer of a group, the per-token outputs. Gating (`g`, `beta` from the raw
+mamba slot) and, except for the last GDN layer of a group, the per-token outputs. Each tail starts from the state its
+slot holds: zeros after SGLang cleared it (zero-init replay), or an anchor's state copied into it (anchored replay,
+then exact). Gating (`g`, `beta` from the raw
 `a`, `b`) and the q/k l2-norm are fused into the kernel, so the replay reads the conv output once.
 
 Design: each program walks its tail chunk by chunk (BT tokens) with its `[BV, K]` block of the state in registers.
@@ -9,9 +12,12 @@ Inside a chunk it uses the WY form of the delta rule, as fla's chunk kernels do:
 the chunk and A_ij = beta_i (gamma_i / gamma_j) k_i.k_j (j < i), the per-token corrections are
 u = (I + A)^-1 beta (v - gamma S k); (I + A)^-1 comes from a BT-step forward substitution (BT = 16 keeps that short),
 the rest are small `tl.dot`s. Unlike fla, which splits the work over several kernels with a grid over chunks, one
-pass does everything and writes the final state straight into the pool: a replay starts from zero, so there is no
-initial state to read, and the state-only variant (`state_only=True`) skips the output half of each chunk
-(q S^T, the masked q k^T and its product with u) and the output store. The interpreter (TRITON_INTERPRET=1) runs it.
+pass does everything: it loads the initial state from the slot (in float32), walks the chunks and writes the final
+state back over it. The state-only variant (`state_only=True`) skips the output half of each chunk (q S^T, the
+masked q k^T and its product with u) and the output store. The interpreter (TRITON_INTERPRET=1) runs it.
+
+In-place is safe: each program alone reads and writes its `[BV, K]` block of the slot, and every stored element
+depends on the loaded one (S = gamma S + ...), so no thread can store before the load it depends on has completed.
 """
 
 import torch
@@ -82,7 +88,10 @@ def gdn_replay_fwd_kernel(
     b_neg_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     b_dt_bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    b_h = tl.zeros([BV, BK], dtype=tl.float32)  # S[v, k] of this program's value block, from zero
+    i_slot = tl.load(slots + i_n).to(tl.int64)
+    p_ht = ht + i_slot * stride_ht + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    m_ht = m_v[:, None] & m_k[None, :]
+    b_h = tl.load(p_ht, mask=m_ht, other=0.).to(tl.float32)  # S[v, k] of this program's value block, from the slot
     for i_c in range(tl.cdiv(eos - bos, BT)):
         o_tok = bos + i_c * BT + o_t
         m_t = o_tok < eos
@@ -115,25 +124,24 @@ def gdn_replay_fwd_kernel(
         b_u = b_u * tl.exp(b_gl - b_gc)[:, None]
         b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_u), b_k, input_precision=DOT_PRECISION)
 
-    i_slot = tl.load(slots + i_n).to(tl.int64)
-    p_ht = ht + i_slot * stride_ht + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_v[:, None] & m_k[None, :])
+    tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_ht)
 
 
 def gdn_replay_fwd(
     q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states,
     scale: float | None = None, state_only: bool = False, chunk_size: int = CHUNK_SIZE,
 ):
-    """GDN over a packed batch of tails, each from a zero state; final states go into the mamba pool.
+    """GDN over a packed batch of tails, each from the state in its mamba slot; final states replace them.
 
     q, k: [T, H, K]; v: [T, HV, V] (HV a multiple of H; value head i reads key head i // (HV // H)). Any token
     stride works (views of the conv output), heads and dims must be contiguous. q and k are l2-normalised in the
     kernel and q is scaled by `scale` (default K**-0.5).
     a, b: [T, HV] raw gate inputs (token stride free); A_log, dt_bias: [HV]: g = -exp(A_log) softplus(a + dt_bias),
     beta = sigmoid(b).
-    cu_seqlens: [N + 1] tail boundaries; slots: [N] mamba slot of each tail.
-    ssm_states: [num_slots, HV, V, K] pool (value-major, SGLang's layout); slot slots[i] gets tail i's final state,
-    cast to the pool's dtype; no other slot is read or written.
+    cu_seqlens: [N + 1] tail boundaries; slots: [N] distinct mamba slot of each tail.
+    ssm_states: [num_slots, HV, V, K] pool (value-major, SGLang's layout): tail i starts from slot slots[i] (zeros
+    after SGLang cleared it, or a copied anchor state; read in float32) and the slot gets its final state, cast to the
+    pool's dtype; no other slot is read or written.
     Returns o: [T, HV, V] in v's dtype, or None when `state_only` (the last GDN layer of a group).
     """
     T, H, K = k.shape
@@ -164,19 +172,21 @@ def naive_gdn_gating(A_log, a, b, dt_bias):
     return -A_log.exp() * softplus, torch.sigmoid(b)
 
 
-def naive_gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, scale=None):
+def naive_gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, scale=None, initial_states=None):
     """Token-by-token reference of `gdn_replay_fwd` in the inputs' dtype (tests use float64).
 
-    Shapes as in `gdn_replay_fwd`. Returns (o [T, HV, V], final states [N, HV, V, K]).
+    Shapes as in `gdn_replay_fwd`; initial_states: [N, HV, V, K] state each tail starts from (None: zeros).
+    Returns (o [T, HV, V], final states [N, HV, V, K]).
     """
     HV = v.shape[1]
     g, beta = naive_gdn_gating(A_log, a, b, dt_bias)
     q, k = (x.repeat_interleave(HV // x.shape[1], dim=1) for x in (q, k))
     o, states = torch.empty_like(v), []
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         o[start:end], state = naive_recurrent_gated_delta_rule(
-            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], scale=scale, use_qk_l2norm=True
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+            initial_state=None if initial_states is None else initial_states[i], scale=scale, use_qk_l2norm=True,
         )
         states.append(state)
     return o, torch.stack(states)

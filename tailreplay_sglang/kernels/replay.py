@@ -1,10 +1,14 @@
-"""One GDN layer's replay over a packed batch of tails: conv, then the delta rule, from zero conv and recurrent state.
+"""One GDN layer's replay over a packed batch of tails: conv, then the delta rule, each tail from its slot's states.
 
 `replay_gdn_layer` is what the replay pass calls for every GDN layer of a group (with `state_only=True` for the
 group's last one, whose outputs nobody reads). CUDA tensors go through the Triton kernels of this package; CPU
 tensors through the torch ops of `tailreplay_sglang.cpu` (chunked, not per token), so the same pass runs on any CPU.
 Layer sizes come from the pool shapes: `ssm_states` is `[slots, HV, V, K]` and `mixed_qkv` packs q | k | v as
 SGLang does (`conv_dim = 2 H K + HV V`).
+
+Each tail starts from the conv and recurrent states in its mamba slot: zeros after SGLang cleared it (the paper's
+zero-init replay), or an anchor's states copied into it (anchored replay, then exact: anchor prefix + tail give the
+same outputs and final states as the whole sequence from zero).
 """
 
 import torch
@@ -28,15 +32,16 @@ def replay_gdn_layer(
     mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states,
     state_only: bool = False, max_seqlen: int | None = None,
 ):
-    """Replay one GDN layer from zero state over a packed batch of tails; the states land in the mamba slots.
+    """Replay one GDN layer over a packed batch of tails, each from its slot's states; the new states replace them.
 
     mixed_qkv: [T, 2 H K + HV V] pre-conv projections (q | k | v); a, b: [T, HV] raw gate inputs;
     conv_weight: [conv_dim, width]; conv_bias: [conv_dim] or None (SiLU conv, as Qwen3.5 / Qwen3-Next);
     A_log, dt_bias: [HV];
-    cu_seqlens: [N + 1] int tail boundaries; slots: [N] int mamba slot of each tail;
+    cu_seqlens: [N + 1] int tail boundaries; slots: [N] int distinct mamba slot of each tail;
     conv_states: [num_slots, conv_dim, width - 1] and ssm_states: [num_slots, HV, V, K], this layer's pools:
-    slot slots[i] gets tail i's conv state (last width - 1 inputs) and final recurrent state; nothing else is
-    read or written (whatever the slots held before does not matter).
+    tail i starts from the states in slot slots[i] (conv: the last width - 1 inputs before the tail, oldest first;
+    recurrent: S), zeros after SGLang cleared it or a copied anchor state, and the slot then gets the tail's conv
+    state (last width - 1 inputs of context + tail) and final recurrent state; no other slot is read or written.
     max_seqlen: longest tail, known to the planner; saves the Triton path a device sync (read when None).
     Returns o: [T, HV, V] in mixed_qkv's dtype (before the gated norm), or None when `state_only`.
     """
@@ -48,7 +53,8 @@ def replay_gdn_layer(
 
 def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
                             ssm_states, state_only=False, max_seqlen=None):
-    """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it)."""
+    """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it); each
+    kernel reads the slots' states itself."""
     y = replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen)
     q, k, v = split_qkv(y, *ssm_states.shape[1:])
     return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only)
@@ -57,29 +63,41 @@ def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_b
 def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
                            ssm_states, state_only=False):
     """`replay_gdn_layer` on the torch ops of tailreplay_sglang.cpu (the CPU path); same arguments."""
-    y = cpu_conv.causal_conv1d_fwd(mixed_qkv.T, conv_weight, conv_bias, conv_states, cu_seqlens, slots, None, "silu")
+    # both ops read each tail's slot before writing it: the conv its left context (every tail has one, zeros or an
+    # anchor's), chunk_gated_delta_rule its initial state, with the final state written back into the pool
+    from_slot = torch.ones(len(slots), dtype=torch.bool)
+    y = cpu_conv.causal_conv1d_fwd(mixed_qkv.T, conv_weight, conv_bias, conv_states, cu_seqlens, slots, from_slot,
+                                   "silu")
     q, k, v = split_qkv(y.T, *ssm_states.shape[1:])
-    o, final = gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only)
-    ssm_states[slots.long()] = final.to(ssm_states.dtype)
+    o, _ = gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only, ssm_states, slots)
     return o
 
 
-def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False):
-    """Chunked torch GDN replay from zero state (shapes as `gdn_replay_fwd`).
+def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False, initial_states=None,
+                     initial_state_indices=None):
+    """Chunked torch GDN replay (shapes as `gdn_replay_fwd`), each tail from an initial state.
 
+    initial_states: None (every tail from zero), [N, HV, V, K] (tail i from initial_states[i]), or with
+    initial_state_indices ([N] slots) the [num_slots, HV, V, K] pool (tail i from its slot). As in
+    `chunk_gated_delta_rule`, the tensor read is updated in place with the final states.
     Returns (o [T, HV, V] in v's dtype or None when `state_only`, final states [N, HV, V, K] float32).
     """
     g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias)
-    o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, None, cu_seqlens,
-                                              use_qk_l2norm_in_kernel=True, state_only=state_only)
+    o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, initial_states, cu_seqlens,
+                                              initial_state_indices, use_qk_l2norm_in_kernel=True,
+                                              state_only=state_only)
     return (None if o is None else o[0]), final
 
 
-def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, HV, V, K):
+def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, HV, V, K,
+                           conv_initial=None, ssm_initial=None):
     """Reference of `replay_gdn_layer` in the inputs' dtype (tests use float64).
 
+    conv_initial: [N, conv_dim, width - 1] and ssm_initial: [N, HV, V, K], the states each tail starts from, as its
+    slot holds them (None: zeros).
     Returns (o [T, HV, V], conv states [N, conv_dim, width - 1], final states [N, HV, V, K]).
     """
-    y, conv_final = naive_replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens)
-    o, ssm_final = naive_gdn_replay(*split_qkv(y, HV, V, K), a, b, A_log, dt_bias, cu_seqlens)
+    y, conv_final = naive_replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, conv_initial)
+    o, ssm_final = naive_gdn_replay(*split_qkv(y, HV, V, K), a, b, A_log, dt_bias, cu_seqlens,
+                                    initial_states=ssm_initial)
     return o, conv_final, ssm_final

@@ -1,0 +1,97 @@
+"""Interval anchors: the recurrent state every N tokens of a prefill (`--tail-replay-anchor-interval N`), kept in
+the radix tree like the ones SGLang keeps where a request or a prefill chunk ends.
+
+The states come from inside the chunked GDN prefill, which computes the state at every 64-token chunk boundary
+anyway: before a prefill forward, each exact request gets a mamba slot per anchor at extend start + N, + 2N, ...
+(short of the extend's end, which the chunk-end anchor covers), and the CPU prefill ops write the conv and SSM state
+there into that slot, layer by layer (`cpu/sgl_kernel_shim.STATE_CHECKPOINTS`). Prefill chunks keep their size.
+Once SGLang has put the request's KV into the tree (`checkpoint_into_tree`), each anchor is inserted at its depth,
+splitting the node there; an anchor the tree cannot take (a state already there, the request not inserted) is freed.
+
+Only on the torch GDN path (CPU without sgl-kernel): the GPU chunk kernels form the same per-chunk states, but
+nothing here reads them yet, so on a GPU only the request-end and chunk-end anchors are kept.
+"""
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken in its last prefill forward
+
+
+def capture_available() -> bool:
+    """Whether SGLang's GDN prefill runs on this package's torch ops (the CPU fallback), the ones that take
+    checkpoints."""
+    from tailreplay_sglang.cpu import sgl_kernel_shim
+
+    try:
+        import sgl_kernel.mamba as mamba
+    except ImportError:
+        return False
+    return getattr(mamba, "chunk_gated_delta_rule_cpu", None) is sgl_kernel_shim.chunk_gated_delta_rule_cpu
+
+
+def offsets(extend_len: int, interval: int) -> list[int]:
+    """Offsets into an extend of `extend_len` tokens where an interval anchor is taken."""
+    if interval <= 0:
+        return []
+    return list(range(interval, extend_len, interval))
+
+
+class IntervalAnchors:
+    def __init__(self, interval: int, checkpoints):
+        self.interval = interval
+        self.checkpoints = checkpoints  # cpu.sgl_kernel_shim.STATE_CHECKPOINTS
+
+    def plan(self, reqs, pool, is_exact) -> None:
+        """Before a prefill forward: slots for the anchors of every exact request, and where the ops write them.
+        Best effort: anchors that find no free slot are skipped (no eviction in the middle of a forward)."""
+        by_slot = {}
+        for req in reqs:
+            self.drop(pool, req)  # taken in an earlier forward but never inserted (the request was not cached)
+            if not is_exact(req) or not req.kv.holds_mamba:
+                continue
+            prefix = req.prefix_len
+            cuts = offsets(req.extend_len, self.interval)
+            slots = pool.mamba_allocator.alloc(len(cuts)) if cuts else None
+            if slots is None:
+                continue
+            setattr(req, ATTR, [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)])
+            physical = pool.translate_mamba_indices(slots)
+            source = int(pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(1))[0])
+            by_slot[source] = [(off, int(dst)) for off, dst in zip(cuts, physical)]
+        self.checkpoints.by_slot = by_slot
+
+    def commit(self, cache, req) -> None:
+        """After SGLang inserted [0, cache_protected_len) of the request: insert each anchor within it at its depth;
+        free the ones the tree does not take."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        anchors = getattr(req, ATTR, None)
+        if not anchors:
+            return
+        setattr(req, ATTR, None)
+        inserted = req.kv.cache_protected_len if req.kv.req_pool_idx is not None else 0
+        for depth, slot in anchors:
+            if depth > inserted:
+                cache.req_to_token_pool.mamba_allocator.free(slot)
+                continue
+            key = RadixKey(req.full_untruncated_fill_ids[:depth], req.extra_key, is_bigram=False,
+                           cache_salt=req.cache_salt)
+            value = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64, copy=True)
+            result = cache.insert(InsertParams(key=key, value=value, mamba_value=slot, prev_prefix_len=depth,
+                                               inserted_len=depth, priority=req.priority or 0))
+            if result.mamba_exist:  # a state was already kept at this depth
+                cache.req_to_token_pool.mamba_allocator.free(slot)
+
+    @staticmethod
+    def drop(pool, req) -> None:
+        """Free the slots of anchors still pending on a request (released, or never inserted)."""
+        anchors = getattr(req, ATTR, None)
+        if anchors:
+            setattr(req, ATTR, None)
+            for _, slot in anchors:
+                pool.mamba_allocator.free(slot)
