@@ -5,6 +5,9 @@ The states come from inside the chunked GDN prefill, which computes the state at
 anyway: before a prefill forward, each exact request gets a mamba slot per anchor at extend start + N, + 2N, ...
 (short of the extend's end, which the chunk-end anchor covers), and the CPU prefill ops write the conv and SSM state
 there into that slot, layer by layer (`cpu/sgl_kernel_shim.STATE_CHECKPOINTS`). Prefill chunks keep their size.
+A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend): together with the
+anchor it replayed from (within the budget) and the ones every N tokens after it, every point of its path has an
+anchor at most max(budget, N) tokens back, and the next request branching at the same point replays nothing.
 Once SGLang has put the request's KV into the tree (`checkpoint_into_tree`), each anchor is inserted at its depth,
 splitting the node there; an anchor the tree cannot take (a state already there, the request not inserted) is freed.
 
@@ -33,11 +36,13 @@ def capture_available() -> bool:
     return getattr(mamba, "chunk_gated_delta_rule_cpu", None) is sgl_kernel_shim.chunk_gated_delta_rule_cpu
 
 
-def offsets(extend_len: int, interval: int) -> list[int]:
-    """Offsets into an extend of `extend_len` tokens where an interval anchor is taken."""
-    if interval <= 0:
-        return []
-    return list(range(interval, extend_len, interval))
+def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]:
+    """Offsets into an extend of `extend_len` tokens where an anchor is taken: every `interval` tokens short of the
+    end, and at 0 (the replayed state of a hit) when `at_start`."""
+    cuts = [0] if at_start else []
+    if interval > 0:
+        cuts += list(range(interval, extend_len, interval))
+    return cuts
 
 
 class IntervalAnchors:
@@ -45,17 +50,25 @@ class IntervalAnchors:
         self.interval = interval
         self.checkpoints = checkpoints  # cpu.sgl_kernel_shim.STATE_CHECKPOINTS
 
-    def plan(self, reqs, pool, is_exact) -> None:
-        """Before a prefill forward: slots for the anchors of every exact request, and where the ops write them.
-        Best effort: anchors that find no free slot are skipped (no eviction in the middle of a forward)."""
-        by_slot = {}
+    def plan(self, reqs, pool, tree_cache, is_exact, replayed_hits) -> None:
+        """Before a prefill forward (scheduler side): slots for the anchors of every exact request, and where the ops
+        write them. Slots come from the pool, evicting the least recently used anchors if it is short; anchors that
+        still find no slot are skipped. `replayed_hits`: requests whose extend starts from a replayed state."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        by_slot, wanted = {}, []
         for req in reqs:
             self.drop(pool, req)  # taken in an earlier forward but never inserted (the request was not cached)
-            if not is_exact(req) or not req.kv.holds_mamba:
-                continue
+            if is_exact(req) and req.kv.holds_mamba:
+                cuts = offsets(req.extend_len, self.interval, at_start=req in replayed_hits)
+                if cuts:
+                    wanted.append((req, cuts))
+        short = sum(len(cuts) for _, cuts in wanted) - pool.mamba_allocator.available_size()
+        if short > 0 and wanted:
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=short))
+        for req, cuts in wanted:
             prefix = req.prefix_len
-            cuts = offsets(req.extend_len, self.interval)
-            slots = pool.mamba_allocator.alloc(len(cuts)) if cuts else None
+            slots = pool.mamba_allocator.alloc(len(cuts))
             if slots is None:
                 continue
             setattr(req, ATTR, [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)])

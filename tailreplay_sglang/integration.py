@@ -82,6 +82,7 @@ def _log_anchor_bytes(runner, layout: HybridLayout) -> None:
 
 
 def mark_pending(result, batch, *args, **kwargs):
+    replayed_hits = []
     for req in batch.reqs:
         match = getattr(req, MATCH_ATTR, None)
         if match is None:
@@ -89,8 +90,11 @@ def mark_pending(result, batch, *args, **kwargs):
         setattr(req, MATCH_ATTR, None)
         if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
             RuntimeState.pending.add(int(req.kv.req_pool_idx), match, req)
+            if match.anchor != match.matched:
+                replayed_hits.append(req)
     if RuntimeState.interval_anchors is not None:
-        RuntimeState.interval_anchors.plan(batch.reqs, batch.req_to_token_pool, is_exact)
+        RuntimeState.interval_anchors.plan(batch.reqs, batch.req_to_token_pool, batch.tree_cache, is_exact,
+                                           replayed_hits)
     return result
 
 

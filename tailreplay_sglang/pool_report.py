@@ -2,7 +2,8 @@
 
 Tests and the soak run read the pools themselves here, not the logs: after traffic has drained, every KV slot (and
 with it every hidden-store entry, which is addressed by KV slot) is free or held by the radix tree, no tree node is
-locked, every mamba slot and request row is free, and no replay is left pending.
+locked, every mamba slot is free or an anchor held by the tree, every request row is free, and no replay is left
+pending.
 """
 
 from tailreplay_sglang.state import RuntimeState
@@ -32,7 +33,7 @@ def pool_report(scheduler, store, pending) -> dict:
         "tree_protected": int(tree.protected_size()),  # tokens on paths of locked nodes
         "mamba_total": int(rows.mamba_pool.size),
         "mamba_free": int(rows.mamba_allocator.available_size()),
-        "tree_mamba_slots": int(tree.all_mamba_values_flatten().numel()),  # ours never hold one
+        "tree_mamba_slots": int(tree.all_mamba_values_flatten().numel()),  # anchors (none with budget 0)
         "req_rows_total": int(rows.size),
         "req_rows_free": len(rows.free_slots),
         "hidden_store_slots": 0 if store is None else int(store.token_ids.numel()),
@@ -41,6 +42,7 @@ def pool_report(scheduler, store, pending) -> dict:
         "pending_write_backs": 0 if store is None else store.pending_write_backs(),
         "pending_replays": len(pending),
         "evicted_tokens": EvictionCounter.tokens,
+        "evicted_anchors": RuntimeState.evicted_anchors,
         "waiting_reqs": len(scheduler.waiting_queue),
         "running_reqs": len(scheduler.running_batch.reqs),
     }

@@ -30,7 +30,8 @@ REPLAY_DELAY_S = 0.3
 POOL_TOKENS = 1536
 # The host hidden tier with serialized loads: the soak and fault cases also drive its write-back and tail-load
 # path (synchronous copies on a CPU); the device tier has the rest of the suite.
-FLAGS = ("--enable-tail-replay", "--tail-replay-mode", "full", "--tail-replay-hidden-dtype", "float32",
+FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-mode", "full",
+         "--tail-replay-hidden-dtype", "float32",
          "--tail-replay-hidden-tier", "host", "--tail-replay-h2d", "ser",
          "--enable-cache-report", "--chunked-prefill-size", "256")
 

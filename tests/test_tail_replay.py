@@ -19,7 +19,10 @@ from tailreplay_sglang.eval.server import flush_cache
 pytestmark = pytest.mark.server
 
 NEW = 12
-EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-ratio", "1", "--tail-replay-hidden-dtype", "float32",
+# The paper's mode (no anchors: --tail-replay-exact-budget 0) replaying the whole prefix; anchored replay has
+# tests/test_anchored_replay.py.
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
+               "--tail-replay-hidden-dtype", "float32",
                "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
@@ -186,7 +189,8 @@ def test_host_tier_serves_exactly_what_the_device_tier_serves(server, host_tier_
 
 @pytest.fixture(scope="module")
 def ratio_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-ratio", "0.25",
+    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-exact-budget", "0",
+                            "--tail-replay-ratio", "0.25",
                             "--tail-replay-min-tokens", "8", "--tail-replay-max-tokens", "12",
                             "--chunked-prefill-size", "32", max_total_tokens=768)
 
@@ -316,7 +320,8 @@ def test_error_ordering_zero_above_ratio_above_full(server, hf, tiny_qwen35, tmp
     errors = {}
     for name, flags in (("zero", ("--tail-replay-mode", "zero")),
                         ("r=0.1", ("--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1"))):
-        for srv in start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", *flags):
+        for srv in start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-exact-budget",
+                                "0", *flags):
             errors[name] = _suffix_logprob_error(srv, model, ids, start)
     flush(server)
     errors["full"] = _suffix_logprob_error(server, model, ids, start)

@@ -145,8 +145,9 @@ def _scan_with_checkpoints(seq, state, chunk_size: int, state_only: bool, cuts, 
         return _chunk_scan(*seq, state, chunk_size, state_only)
     T, outs, pos = seq[0].shape[1], [], 0
     for offset, dst in [*cuts, (T, None)]:
-        o_part, state = _chunk_scan(*(x[:, pos:offset] for x in seq), state, chunk_size, state_only)
-        outs.append(o_part)
+        if offset > pos:  # an offset of 0 keeps the initial state
+            o_part, state = _chunk_scan(*(x[:, pos:offset] for x in seq), state, chunk_size, state_only)
+            outs.append(o_part)
         pos = offset
         if dst is not None:
             pool[dst] = state.to(pool.dtype)

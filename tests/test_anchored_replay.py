@@ -1,0 +1,202 @@
+"""Anchored Tail-Replay inside the real SGLang server: hits start from the deepest recurrent state the tree kept
+(where a request ended, where a prefill chunk ended, every N prefill tokens) and replay the rest exactly.
+
+"Exact" is measured against the server's own no-cache prefill (the cache flushed, the same prompt again), by the
+log-probs of the prompt tokens after the hit (teacher-forced), of the outputs, and the first greedy token. Whole
+greedy outputs are not compared: this random model's flat logits have near-ties a few tokens in (seen: 1e-4 nats
+apart before a different 3rd token). Tolerance: SGLang's own exact-state hit differs from its
+no-cache prefill by up to ~0.016 nats per token on long-memory random float32 models (chunk boundaries round
+differently); a zero-init tail on this model misses by far more (asserted below, so the check can fail).
+"""
+
+import concurrent.futures
+import random
+
+import pytest
+import requests
+
+from conftest import generate
+from conftest import start_server
+from soak import pool_leaks, wait_idle
+from tailreplay_sglang.eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+INTERVAL = 128
+VOCAB = 512  # tiny-qwen35
+EXACT_TOL = 0.02  # nats per token: stock's own cache-hit noise on such models, see the module docstring
+FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL), "--enable-metrics",
+         "--enable-cache-report", "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen35, tmp_path_factory):
+    yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS)
+
+
+@pytest.fixture(scope="module")
+def paper_server(tiny_qwen35, tmp_path_factory):
+    """B = 0: no anchor kept or used, the paper's zero-init tail; same model and prefill chunking."""
+    yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS, "--tail-replay-exact-budget", "0")
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tiny_qwen35, tmp_path_factory):
+    """A mamba pool of 12 slots: anchors compete with running requests and get evicted by SGLang's mamba LRU."""
+    yield from start_server(tiny_qwen35, tmp_path_factory, *[f for f in FLAGS if f != "--enable-metrics"],
+                            "--max-mamba-cache-size", "12", max_running_requests=4)
+
+
+def random_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def scored(server, ids, start, max_new=4) -> dict:
+    """The request with log-probs of every prompt token from `start` on and of its outputs."""
+    out = generate(server, ids, max_new, return_logprob=True, logprob_start_len=start)
+    meta = out["meta_info"]
+    lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
+    lps += [lp for lp, _, _ in meta["output_token_logprobs"]]
+    return {"meta": meta, "output_ids": out["output_ids"], "logprobs": lps}
+
+
+def no_cache(server, ids, start, max_new=4) -> dict:
+    flush_cache(server.base_url)
+    out = scored(server, ids, start, max_new)
+    assert out["meta"]["cached_tokens"] == 0
+    return out
+
+
+def max_error(a: dict, b: dict) -> float:
+    assert len(a["logprobs"]) == len(b["logprobs"]) > 0
+    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
+
+
+def assert_exact(hit: dict, reference: dict) -> None:
+    assert hit["output_ids"][:1] == reference["output_ids"][:1]
+    assert max_error(hit, reference) < EXACT_TOL
+
+
+@pytest.mark.parametrize("resend_extra", [0, 12])
+def test_resend_of_prompt_and_answer_starts_at_the_finish_anchor_and_equals_no_cache(server, resend_extra):
+    flush_cache(server.base_url)
+    prompt = random_ids(600, seed=1)
+    answer = generate(server, prompt, 8)["output_ids"]
+    kept = len(prompt) + len(answer) - 1  # the finished request's state was kept here (its last token has no KV)
+    ids = prompt + answer + random_ids(resend_extra, seed=9)
+    hit = scored(server, ids, kept)
+    meta = hit["meta"]
+    assert meta["cached_tokens"] == kept == meta["tail_replay_anchor"]
+    assert meta["tail_replay_tokens"] == 0 and meta["tail_replay_exact"] is True
+    assert meta["tail_replay_state_survival"] is None
+    assert_exact(hit, no_cache(server, ids, kept))
+
+
+def test_five_turn_chat_hits_each_turns_end_state_and_equals_no_cache(server):
+    flush_cache(server.base_url)
+    ids, turns, start = random_ids(300, seed=2), [], 299
+    for turn in range(5):
+        out = scored(server, ids, start, 6)
+        turns.append((list(ids), start, out))
+        start = len(ids) + len(out["output_ids"]) - 1
+        ids = ids + out["output_ids"] + random_ids(20, seed=10 + turn)
+    for _, start, out in turns[1:]:
+        # each turn matches up to the previous turn's last generated token, where that request's state was kept
+        meta = out["meta"]
+        assert meta["cached_tokens"] == start == meta["tail_replay_anchor"] and meta["tail_replay_tokens"] == 0
+        assert meta["tail_replay_exact"] is True
+    for prompt, start, out in turns:
+        assert_exact(out, no_cache(server, prompt, start, 6))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_hits_at_random_points_replay_less_than_the_interval_and_equal_no_cache(server, paper_server, seed):
+    """Forks, edits and shared prompts end the match where no request or chunk ended: the nearest interval anchor
+    (taken inside the 1000-token prefill) is fewer than N tokens back, so the replay is exact and short. The paper's
+    zero-init tail on the same hits must be measurably worse, or this test could not tell the two apart."""
+    rng = random.Random(seed)
+    base = random_ids(1000, seed=seed)
+    errors, paper_errors = [], []
+    for srv in (server, paper_server):
+        flush_cache(srv.base_url)
+    for cut in sorted(rng.sample(range(INTERVAL + 1, 990), 3)):
+        fork = base[:cut] + random_ids(12, seed=cut)
+        edit = base[:cut] + [(base[cut] + 1) % VOCAB] + base[cut + 1:cut + 30]
+        for ids in (fork, edit):
+            for srv in (server, paper_server):
+                generate(srv, base, 1)  # the shared prompt, cached (again) on both servers
+            hit, paper = scored(server, ids, cut), scored(paper_server, ids, cut)
+            meta = hit["meta"]
+            assert meta["cached_tokens"] == cut == paper["meta"]["cached_tokens"]
+            assert meta["tail_replay_exact"] is True and 0 <= meta["tail_replay_tokens"] < INTERVAL
+            assert meta["tail_replay_anchor"] == cut - meta["tail_replay_tokens"]
+            assert paper["meta"]["tail_replay_exact"] is False and paper["meta"]["tail_replay_anchor"] is None
+            reference = no_cache(server, ids, cut)
+            errors.append(max_error(hit, reference))
+            paper_errors.append(max_error(paper, reference))
+            assert_exact(hit, reference)
+    assert max(errors) < EXACT_TOL, errors
+    assert max(paper_errors) > 5 * max(errors), (paper_errors, errors)
+
+
+def test_budget_zero_keeps_no_state_and_replays_the_papers_tail(paper_server):
+    flush_cache(paper_server.base_url)
+    base = random_ids(900, seed=5)
+    generate(paper_server, base, 4)
+    for cut in (100, 500, 899):
+        meta = generate(paper_server, base[:cut] + [7, 8, 9], 2)["meta_info"]
+        assert meta["cached_tokens"] == cut
+        assert meta["tail_replay_tokens"] == min(cut, max(64, -(-cut * 5 // 100)))  # tail_len at the defaults
+        assert meta["tail_replay_exact"] is False and meta["tail_replay_anchor"] is None
+        assert 0 < meta["tail_replay_state_survival"] <= 1
+    state = wait_idle(paper_server.base_url)
+    assert state["tree_mamba_slots"] == 0 and pool_leaks(state) == []
+
+
+def test_eight_concurrent_hits_on_one_anchor(server):
+    """The first batch of hits copies the interval anchor at 640 and replays 10 tokens; a hit that replayed keeps
+    its rebuilt state at 650, so hits scheduled later start there and replay nothing. Every copy is exact."""
+    flush_cache(server.base_url)
+    prefix = random_ids(700, seed=6)
+    generate(server, prefix, 1)
+    prompts = [prefix[:650] + random_ids(5 + i, seed=20 + i) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        hits = list(pool.map(lambda ids: scored(server, ids, 650), prompts))
+    anchors = [h["meta"]["tail_replay_anchor"] for h in hits]
+    assert set(anchors) <= {640, 650} and 640 in anchors and all(h["meta"]["tail_replay_exact"] for h in hits)
+    assert [h["meta"]["tail_replay_tokens"] for h in hits] == [650 - c for c in anchors]
+    for ids, hit in zip(prompts, hits):
+        assert_exact(hit, no_cache(server, ids, 650))
+    assert pool_leaks(wait_idle(server.base_url)) == []
+
+
+def test_metrics_count_exact_and_approximate_hits(server):
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    counts = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("sglang:tail_replay_") and not line.startswith("#")}
+    assert counts.get("sglang:tail_replay_exact_hits_total", 0) > 0
+    assert "sglang:tail_replay_approximate_hits_total" in counts
+    assert "sglang:tail_replay_evicted_anchors_total" in counts
+
+
+def test_evicted_anchors_fall_back_to_the_zero_init_tail_without_error_or_leak(small_pool_server):
+    """More anchors than the 12-slot mamba pool holds: SGLang's mamba LRU drops the oldest states but their KV
+    stays, so a later hit on an early prompt still gets its whole prefix, through the zero-init tail; the strict
+    idle check runs in the server and the pools are read back."""
+    srv = small_pool_server
+    flush_cache(srv.base_url)
+    prompts = [random_ids(600, seed=100 + i) for i in range(5)]  # 4 interval anchors + 2 ends each; KV all fits
+    for ids in prompts:
+        generate(srv, ids, 2)
+    state = wait_idle(srv.base_url)
+    assert state["evicted_anchors"] > 0 and pool_leaks(state) == []
+    early = generate(srv, prompts[0][:550] + [5, 6], 2)["meta_info"]
+    assert early["cached_tokens"] == 550
+    assert early["tail_replay_exact"] is False and early["tail_replay_anchor"] is None
+    late = generate(srv, prompts[-1][:550] + [5, 6], 2)["meta_info"]
+    assert late["cached_tokens"] == 550 and late["tail_replay_exact"] is True
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # hits and misses racing for slots and KV
+        outs = list(pool.map(lambda i: generate(srv, prompts[i % 5][:500] + random_ids(300, seed=i), 3), range(8)))
+    assert all(len(o["output_ids"]) == 3 for o in outs)
+    assert pool_leaks(wait_idle(srv.base_url)) == []
