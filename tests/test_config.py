@@ -40,3 +40,29 @@ def test_env_round_trip(monkeypatch):
     assert TailReplayConfig.from_env() == TailReplayConfig()
     cfg.to_env()
     assert TailReplayConfig.from_env() == cfg
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"anchor_interval": 100}, "--tail-replay-anchor-interval"),  # not a multiple of the 64-token GDN chunk
+    ({"anchor_interval": -64}, "--tail-replay-anchor-interval"),
+    ({"exact_budget": -1}, "--tail-replay-exact-budget"),
+])
+def test_invalid_anchor_values_name_the_flag(kwargs, flag):
+    with pytest.raises(TailReplayConfigError, match=flag):
+        TailReplayConfig(enabled=True, **kwargs)
+
+
+def test_exact_budget_defaults_to_the_larger_of_tail_and_interval():
+    cfg = TailReplayConfig(ratio=0.05, min_tokens=64, anchor_interval=512)
+    assert cfg.anchored and cfg.budget(1_000) == 512 and cfg.budget(20_000) == 1_000  # max(512, ceil(0.05 m))
+    assert TailReplayConfig(exact_budget=300).budget(20_000) == 300
+    assert not TailReplayConfig(exact_budget=0).anchored  # the paper's mode: no anchor kept or used
+    assert TailReplayConfig(mode="full").is_exact_fallback(500) and not TailReplayConfig().is_exact_fallback(500)
+
+
+def test_hidden_dtype_auto_is_the_models_dtype():
+    import torch
+
+    assert TailReplayConfig().hidden_torch_dtype(torch.float32) == torch.float32
+    assert TailReplayConfig().hidden_torch_dtype(torch.bfloat16) == torch.bfloat16
+    assert TailReplayConfig(hidden_dtype="bfloat16").hidden_torch_dtype(torch.float32) == torch.bfloat16

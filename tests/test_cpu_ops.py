@@ -260,3 +260,42 @@ def test_cpu_plugin_gated_norm_matches_formula():
     xd = x.double()
     ref = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * module.weight.double() * F.silu(z.double())
     assert rel_err(_rmsnorm_gated_forward(module, x, z), ref) < TOL
+
+
+# ---- state checkpoints (Tail-Replay's interval anchors): mid-sequence states written into other slots ----
+
+def test_chunk_gated_delta_rule_checkpoints_hold_the_state_after_each_offset():
+    """The state after `offset` tokens goes into the checkpoint's slot; the outputs and final state are those of
+    the uncut scan (offsets on 64-token chunk boundaries: bit-identical; an offset of 0 keeps the initial state)."""
+    q, k, v, g, beta, pool, idx, cu = _gdn_inputs([200, 150], 2, 4, 16, 16, slots=16)
+    spare = [i for i in range(16) if i not in idx.tolist()]
+    checkpoints = {int(idx[0]): [(0, spare[0]), (64, spare[1]), (128, spare[2])], int(idx[1]): [(64, spare[3])]}
+    plain = pool.clone()
+    o_plain, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, plain, cu, idx, use_qk_l2norm_in_kernel=True)
+    pool_before = pool.clone()
+    o, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True,
+                                      checkpoints=checkpoints)
+    assert torch.equal(o, o_plain) and torch.equal(pool[idx], plain[idx])
+    for i, (s, _) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for offset, dst in checkpoints[int(idx[i])]:
+            _, ref_state = _reference(q, k, v, g, beta, pool_before[idx[i]], s, s + offset)
+            if offset == 0:
+                ref_state = pool_before[idx[i]].double()
+            assert rel_err(pool[dst], ref_state) < TOL
+    untouched = [i for i in spare[4:]]
+    assert torch.equal(pool[untouched], pool_before[untouched])
+
+
+def test_causal_conv1d_fwd_checkpoints_hold_the_inputs_before_each_offset():
+    dim, width, slots = 12, 4, 8
+    x = torch.randn(dim, 50)
+    weight = torch.randn(dim, width)
+    states = torch.randn(slots, dim, width - 1)
+    init = states[2].clone()
+    checkpoints = {2: [(0, 5), (2, 6), (30, 7)]}
+    conv.causal_conv1d_fwd(x, weight, None, states, torch.tensor([0, 50]), torch.tensor([2]), torch.tensor([True]),
+                           "silu", checkpoints=checkpoints)
+    stream = torch.cat([init, x], dim=1)  # the width - 1 inputs before token t are stream[:, t : t + width - 1]
+    for offset, dst in checkpoints[2]:
+        assert torch.equal(states[dst], stream[:, offset:offset + width - 1])
+    assert torch.equal(states[2], x[:, -(width - 1):])
