@@ -19,7 +19,8 @@ def test_flags_appear_in_stock_help():
     out = launch("--help")
     assert out.returncode == 0
     for flag in ("--enable-tail-replay", "--tail-replay-ratio", "--tail-replay-min-tokens", "--tail-replay-max-tokens",
-                 "--tail-replay-hidden-dtype", "--tail-replay-mode", "--tail-replay-hidden-tier", "--tail-replay-h2d"):
+                 "--tail-replay-hidden-dtype", "--tail-replay-mode", "--tail-replay-hidden-tier", "--tail-replay-h2d",
+                 "--tail-replay-anchor-interval", "--tail-replay-exact-budget"):
         assert flag in out.stdout
 
 
@@ -30,10 +31,14 @@ def test_flags_appear_in_stock_help():
      "--tail-replay-min-tokens (100) must not exceed --tail-replay-max-tokens (10)"),
     (["--enable-tail-replay", "--disable-radix-cache"], "does not support --disable-radix-cache"),
     (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
+    (["--enable-tail-replay", "--tail-replay-anchor-interval", "100"],
+     "--tail-replay-anchor-interval must be 0 (off) or a positive multiple of 64"),
+    (["--enable-tail-replay", "--tail-replay-exact-budget", "-5"], "--tail-replay-exact-budget must be >= 0"),
+    (["--tail-replay-exact-budget", "0"], "--tail-replay-exact-budget requires --enable-tail-replay"),
     (["--enable-tail-replay", "--tail-replay-hidden-tier", "host", "--device", "cuda"],
      "--tail-replay-hidden-tier host needs --disable-cuda-graph"),
 ], ids=["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache", "unknown-tier",
-        "host-tier-with-cuda-graphs"])
+        "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs"])
 def test_invalid_flags_fail_at_start_up_naming_the_flag(tiny_qwen35, args, message):
     out = launch("--model-path", str(tiny_qwen35), *args)
     assert out.returncode == 2
