@@ -1,4 +1,6 @@
-"""Property tests of the Tail-Replay radix cache's bookkeeping, without a server or a GPU.
+"""Property tests of the Tail-Replay radix cache's bookkeeping in the paper's mode (`--tail-replay-exact-budget 0`:
+no anchor kept or used), without a server or a GPU. Anchored bookkeeping (states kept in the tree, copied on a hit,
+evicted by the mamba LRU) is checked on real servers with SGLang's strict idle check (tests/test_anchored_replay.py).
 
 How the cache is built
     As SGLang's kv_cache_builder builds it for a hybrid GDN model, at toy sizes, on CPU, page size 1: a
@@ -63,7 +65,10 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
-from tailreplay_sglang.cache import REPLAY_ATTR, TailReplayMambaComponent, create_tail_replay_cache
+from tailreplay_sglang.cache import MATCH_ATTR, TailReplayMambaComponent, create_tail_replay_cache
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.pending import Match
+from tailreplay_sglang.state import RuntimeState
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 
@@ -78,6 +83,11 @@ MAX_TEST_LOCKS = 3
 
 SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                     print_blob=False, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True)
+def papers_mode(monkeypatch):
+    monkeypatch.setattr(RuntimeState, "config", TailReplayConfig(enabled=True, exact_budget=0))
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +329,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.init_next_round_input(self.cache)
         self.req_pool.mamba_allocator.alloc_group_end()
         self.check_hit(tokens, req.prefix_len, req.last_node, limit=len(tokens) - 1)
-        assert getattr(req, REPLAY_ATTR, None) == req.prefix_len, f"hit of {req.prefix_len} not marked for replay"
+        assert getattr(req, MATCH_ATTR, None) == Match(req.prefix_len, None), f"hit of {req.prefix_len} not marked"
         chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
         req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
         if not self.can_allocate(chunk):
@@ -383,9 +393,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         """A request that already holds a slot matches again (e.g. a checkpoint re-match): it keeps its live state."""
         req = data.draw(st.sampled_from(self.live))
         slot, free_slots = int(req.kv.mamba_pool_idx), self.req_pool.mamba_allocator.available_size()
-        setattr(req, REPLAY_ATTR, None)
+        setattr(req, MATCH_ATTR, None)
         self.match(tokens_of(req)[:req.kv.kv_committed_len], req=req, cow_mamba=True)
-        assert getattr(req, REPLAY_ATTR) is None, f"{REPLAY_ATTR} set on a request that holds its state"
+        assert getattr(req, MATCH_ATTR) is None, f"{MATCH_ATTR} set on a request that holds its state"
         assert int(req.kv.mamba_pool_idx) == slot and req.kv.mamba_cow_src_index is None, "live state replaced"
         assert self.req_pool.mamba_allocator.available_size() == free_slots, "a re-match took a mamba slot"
 
@@ -506,7 +516,7 @@ def mark_nothing(self, params, result):
 
 def mark_every_request(self, params, result):
     if params.cow_mamba and params.req is not None:
-        setattr(params.req, REPLAY_ATTR, result.device_prefix_len)
+        setattr(params.req, MATCH_ATTR, Match(result.device_prefix_len, None))
     return result
 
 
@@ -517,7 +527,7 @@ BROKEN_COMPONENTS = {
         "holds a recurrent state"),
     "a match must end on a state (SGLang's validator)": (
         {"create_match_validator": MambaComponent.create_match_validator}, "longest common prefix"),
-    "a hit is not marked for replay": ({"finalize_match_result_in_cache": mark_nothing}, "not marked for replay"),
+    "a hit is not marked for replay": ({"finalize_match_result_in_cache": mark_nothing}, "not marked"),
     "a live request is marked again": ({"finalize_match_result_in_cache": mark_every_request}, "holds its state"),
 }
 
