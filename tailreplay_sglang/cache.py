@@ -64,9 +64,12 @@ class TailReplayMambaComponent(MambaComponent):
         if not params.cow_mamba or req is None or req.kv.holds_mamba:
             return result
         config, m = RuntimeState.config, result.device_prefix_len
+        # With no state on the path, the root's zero state is the anchor: replaying [0, m) from a cleared slot is
+        # exact too, and within the budget it is the cheapest exact start there is.
         anchor, c = self.deepest_anchor(self.tree_core.node_by_id(result.best_match_node), m)
-        if anchor is not None and m - c <= config.budget(m):
-            self._copy_state_into_new_slot(req, anchor)
+        if config.anchored and m - c <= config.budget(m):
+            if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
+                self._copy_state_into_new_slot(req, anchor)
             setattr(req, MATCH_ATTR, Match(m, c))
             setattr(req, EXACT_ATTR, True)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
