@@ -56,7 +56,9 @@ def measure(servers: dict, lengths: list[int], tails: list[int], samples: int, v
                 scored(url, ids[:length] + [(ids[length] + 1) % vocab], length)  # caches the context; forks at L
                 hit = scored(url, ids, length)
                 assert hit["meta"]["cached_tokens"] == length and hit["meta"]["tail_replay_tokens"] == min(k, length)
-                survival.append(hit["meta"]["tail_replay_state_survival"])
+                # k >= L replays the whole prefix: exact, nothing dropped (the server reports no survival then)
+                exact = hit["meta"]["tail_replay_exact"]
+                survival.append(0.0 if exact else hit["meta"]["tail_replay_state_survival"])
                 errors.append(max(abs(a - b) for a, b in zip(hit["logprobs"], ref)))
             rows.append({"length": length, "tail": k, "survival_mean": sum(survival) / len(survival),
                          "survival_min": min(survival), "logprob_err_mean": sum(errors) / len(errors),
