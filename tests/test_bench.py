@@ -11,6 +11,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import harness  # noqa: E402
+import memory  # noqa: E402
 import ttft  # noqa: E402
 import workloads  # noqa: E402
 
@@ -41,10 +42,228 @@ def test_ttft_full_prefill_misses_and_tail_replay_hits_the_whole_prefix(urls, ti
     assert arms["full prefill"]["cached_max"] == 0
     hit = arms[f"{TR} hit"]
     assert hit["cached_min"] == hit["cached_max"] == 256
-    assert hit["replayed"] == 64  # clamp(ceil(0.05 * 256), min 64)
+    # The server runs the defaults (anchored, N = 512): no state on the path, and 256 tokens are within the budget
+    # max(64, 512), so the hit replays its whole prefix from the root's zero state, exactly.
+    assert hit["replayed"] == 256 and hit["exact_share"] == 1.0
     assert hit["speedup_mean"] > 0 and "speedup_mean" in arms["stock hit"]
     assert {"fa_kv_bytes_per_token", "tail_replay_hidden_bytes_per_token", "mamba_slot"} <= set(data["memory"])
     assert out.with_suffix(".png").stat().st_size > 0
+    # Told its flags (--url-flags), the same server is an anchored arm: mid-interval hits on fresh branches.
+    out = tmp_path / "anchored.json"
+    ttft.main(["--lengths", "512", "1024", "--full-reps", "1", "--hit-reps", "2", "--out", str(out), *urls,
+               "--url-flags", f"{TR}=--enable-tail-replay --tail-replay-anchor-interval 512"])
+    data = json.loads(out.read_text())
+    assert data["servers"][TR]["mode"] == "anchored" and data["servers"][TR]["anchor_interval"] == 512
+    rows = {row["length"]: row for row in data["summary"] if row["arm"] == f"{TR} hit"}
+    for L, anchor in ((512, 0), (1024, 512)):  # m = L - 256 from the anchor at L - 512 (the root at 512)
+        assert (rows[L]["n"], rows[L]["cached_min"], rows[L]["cached_max"]) == (2, L - 256, L - 256)
+        assert rows[L]["replayed"] == 256 and rows[L]["exact_share"] == 1.0
+        assert {s["tail_replay_anchor"] for s in data["samples"] if s["arm"] == f"{TR} hit" and s["length"] == L
+                } <= {anchor, None}
+    assert [p["cached_tokens"] for p in data["anchored_primes"]] == [0, 512, 0, 512]
+
+
+# ---- bench/ttft.py and bench/pareto.py: the plan and the arithmetic, no server ----
+
+LENGTHS = [2048, 4096, 8192, 16384]
+
+
+def _ttft_servers(config: dict) -> dict:
+    configs = ttft.server_configs([0.05, 0.1], ["--dtype", "float32"], [512, 1024], LENGTHS, 32, 10)
+    return {label: {"url": f"http://x/{label}", "tail_replay": "--enable-tail-replay" in flags, "flags": flags,
+                    **ttft.describe_server(config, flags, "--enable-tail-replay" in flags)}
+            for label, flags in configs.items()}
+
+
+def _ttft_sample(cached: int, replayed: int, exact, anchor, ttft_s: float = 1.0) -> dict:
+    return {"prompt_tokens": cached + 32, "cached_tokens": cached, "tail_replay_tokens": replayed,
+            "tail_replay_ms": 1.0, "tail_replay_exact": exact, "tail_replay_anchor": anchor,
+            "tail_replay_state_survival": None, "ttft_s": ttft_s}
+
+
+def test_ttft_paper_servers_and_anchored_arms_hit_mid_interval():
+    _, config, _ = memory.resolve_model("quality-qwen35")
+    servers = _ttft_servers(config)
+    assert list(servers) == ["stock", "paper r=0.05", "paper r=0.10", "anchored N=512", "anchored N=1024"]
+    paper, a512, a1024 = servers["paper r=0.05"], servers["anchored N=512"], servers["anchored N=1024"]
+    # Paper mode is explicit now that the default is anchored.
+    assert paper["flags"][-2:] == ("--tail-replay-exact-budget", "0") and paper["mode"] == "paper"
+    assert (a512["mode"], a512["anchor_interval"], a1024["anchor_interval"]) == ("anchored", 512, 1024)
+    # The anchored server's mamba pool holds every anchor: 64 from the warm prefixes at N=512 (4096-token chunks:
+    # 7 interval anchors + 1 chunk end per chunk, + the request end), 3 per hit (the priming request's end, the
+    # hit's end and its rebuilt state), the running requests.
+    warm = sum(len(ttft.anchor_depths(L + 32, 512, 4096)) for L in LENGTHS)
+    assert warm == 64 and memory._flag(list(a512["flags"]), "--max-mamba-cache-size") == str(64 + 120 + 8 + 16)
+    assert ttft.anchor_depths(8192 + 32, 512, 4096)[-3:] == [7680, 8192, 8224]
+
+    arms = {arm.name: arm for arm in ttft.make_arms(servers)}
+    assert ttft.paper_reference(list(arms.values())).name == "paper r=0.05 hit"
+    n512, n1024, r05 = arms["anchored N=512 hit"], arms["anchored N=1024 hit"], arms["paper r=0.05 hit"]
+    for L in LENGTHS:
+        # Anchored: m = L - N/2, anchor at L - N, N/2 replayed; paper: the whole prefix, clamp(ceil(r L), 64).
+        assert (n512.matched(L), n512.expected_anchor(L), n512.expected_tail(config, L)) == (L - 256, L - 512, 256)
+        assert (n1024.matched(L), n1024.expected_tail(config, L)) == (L - 512, 512)
+        assert (r05.matched(L), r05.expected_tail(config, L)) == (L, max(64, -(-L // 20)))
+        assert ttft.skip_reason(n512, L, 32, 4096) is None and ttft.skip_reason(n1024, L, 32, 4096) is None
+    assert arms["stock hit"].expected_tail(config, 2048) is None and arms["stock hit"].matched(2048) == 2048
+    # At L = N the anchor is the root's zero state (depth 0); below N, or off the interval grid, there is no anchor
+    # at L - N: that length is skipped for the arm.
+    assert ttft.skip_reason(n1024, 1024, 32, 4096) is None and n1024.expected_anchor(1024) == 0
+    assert "no interval" in ttft.skip_reason(n1024, 512, 32, 4096)
+    assert "not L - N" in ttft.skip_reason(n512, 3072 + 256, 32, 4096)
+    assert ttft.plan_skips(list(arms.values()), [512, 2048], 32) == {
+        ("anchored N=1024 hit", 512): ttft.skip_reason(n1024, 512, 32, 4096)}
+    # Past the exact budget the hit would be approximate: refused when planning.
+    tight = ttft.Arm("a", "a", "hit", True, (*a512["flags"], "--tail-replay-exact-budget", "128"), "anchored",
+                     0.05, 512)
+    with pytest.raises(ValueError, match="exact budget"):
+        tight.expected_tail(config, 4096)
+
+
+def test_ttft_check_fails_loudly_off_plan(monkeypatch):
+    _, config, _ = memory.resolve_model("quality-qwen35")
+    arms = {arm.name: arm for arm in ttft.make_arms(_ttft_servers(config))}
+    n512, r05 = arms["anchored N=512 hit"], arms["paper r=0.05 hit"]
+    ttft.check(n512, 8192, _ttft_sample(7936, 256, True, 7680), 256)
+    ttft.check(r05, 8192, _ttft_sample(8192, 410, False, None), 410)
+    for bad, match in ((_ttft_sample(8192, 256, True, 7680), "L - N/2 = 7936"),  # hit at L, not mid-interval
+                       (_ttft_sample(7936, 410, False, None), "tail_replay_exact is False"),  # zero-init tail
+                       (_ttft_sample(7936, 768, True, 7168), "expected N/2 = 256"),  # an older anchor
+                       (_ttft_sample(7936, 256, None, None), "tail_replay_exact is None")):  # not reported
+        with pytest.raises(RuntimeError, match=match):
+            ttft.check(n512, 8192, bad, 256)
+    with pytest.raises(RuntimeError, match="paper mode"):  # paper mode must not use an anchor
+        ttft.check(r05, 8192, _ttft_sample(8192, 410, True, 7680), 410)
+    with pytest.raises(RuntimeError, match="expected the whole prefix"):
+        ttft.check(r05, 8192, _ttft_sample(7936, 410, False, None), 410)
+    # Each anchored repetition primes a fresh branch off the anchor at L - N: P_L[:L - N] + N/2 + 32 new tokens.
+    prefix, fresh = list(range(8192)), list(range(10**6, 10**6 + 256 + 32))
+    cached = {"n": 7680}
+    monkeypatch.setattr(ttft, "measure", lambda url, ids: _ttft_sample(cached["n"], 0, True, 7680))
+    branch, primed = ttft.prime(n512, "http://x", prefix, 8192, fresh)
+    assert branch[:n512.matched(8192)] == prefix[:7680] + fresh[:256] and primed["cached_tokens"] == 7680
+    cached["n"] = 0
+    with pytest.raises(RuntimeError, match="priming request cached 0 tokens, expected L - N = 7680"):
+        ttft.prime(n512, "http://x", prefix, 8192, fresh)
+
+
+def test_ttft_summary_compares_anchored_with_paper(tmp_path):
+    _, config, _ = memory.resolve_model("quality-qwen35")
+    arms = ttft.make_arms(_ttft_servers(config))
+    times = {"full prefill": 10.0, "stock hit": 5.0, "paper r=0.05 hit": 1.0, "paper r=0.10 hit": 1.5,
+             "anchored N=512 hit": 1.2, "anchored N=1024 hit": 1.4}
+    samples = []
+    for L in (4096, 8192):
+        for arm in arms:
+            m = arm.matched(L) if arm.kind == "hit" else 0
+            replayed = arm.anchor_interval // 2 if arm.anchored else 0
+            for rep in range(2):
+                samples.append({"arm": arm.name, "server": arm.server, "length": L, "rep": rep,
+                                **_ttft_sample(m, replayed, arm.anchored or None, None, times[arm.name])})
+    rows = ttft.summarize(arms, [4096, 8192], samples)
+    comparison = ttft.compare_with_paper(rows, arms)
+    by = {(r["arm"], r["length"]): r for r in rows}
+    a = by["anchored N=512 hit", 8192]
+    assert (a["matched"], a["cached_min"], a["replayed"], a["exact_share"]) == (7936, 7936, 256, 1.0)
+    assert a["speedup_mean"] == pytest.approx(10 / 1.2) and a["vs_paper_mean"] == pytest.approx(1.2)
+    assert [(c["arm"], c["length"], c["within_target"]) for c in comparison] == [
+        ("anchored N=512 hit", 4096, None), ("anchored N=1024 hit", 4096, None),
+        ("anchored N=512 hit", 8192, True), ("anchored N=1024 hit", 8192, False)]  # 1.4x > 1.3x
+    assert all(c["paper_arm"] == "paper r=0.05 hit" for c in comparison)
+    ttft.print_table(rows, "t", Console(width=170), "paper r=0.05 hit")
+    ttft.plot(rows, tmp_path / "ttft.png", "t")
+    assert (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def _quality_json(tmp_path, drop: str | None = None, protocols=("context_first", "new_question")) -> Path:
+    """A quality.py result as its summaries look: per mode and protocol, score and % per suite, mean replayed
+    tokens, exact hits among the hits (new_question: the anchored modes' matches end mid-interval, less exact)."""
+    base, tr = ["--dtype", "float32"], ["--enable-tail-replay", "--tail-replay-hidden-dtype", "float32"]
+    flags = {"cache_off": [*base, "--disable-radix-cache"],
+             "r0.05": [*base, *tr, "--tail-replay-ratio", "0.05", "--tail-replay-exact-budget", "0"],
+             "anchored": [*base, *tr], "anchored_n1024": [*base, *tr, "--tail-replay-anchor-interval", "1024"],
+             "full": [*base, *tr, "--tail-replay-mode", "full", "--tail-replay-exact-budget", "0"]}
+    summary = {"cache_off": (0.5, 100.0, 0.0, 0), "r0.05": (0.25, 50.0, 240.0, 0),
+               "anchored": (0.5, 100.0, 256.0, 10), "anchored_n1024": (0.45, 90.0, 512.0, 9),
+               "full": (0.5, 100.0, 4785.0, 10)}
+    modes = []
+    for i, protocol in enumerate(protocols):
+        for mode, (score, pct, replayed, exact) in summary.items():
+            hits = 0 if mode == "cache_off" else 10
+            exact = exact - 5 * i if mode.startswith("anchored") else exact
+            entry = {"mode": mode, "protocol": protocol, "requests": 10, "replayed_mean": replayed + 100 * i,
+                     "hits": hits, "exact_hits": exact, "exact_share": exact / hits if hits else None,
+                     "ruler": {"score": score, "pct": pct - 10 * i if mode != "cache_off" else 100.0}}
+            entry.pop(drop, None)
+            modes.append(entry)
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({"model": "quality-qwen35", "config": {"server_args": base},
+                                "servers": {m: {"flags": f} for m, f in flags.items()}, "modes": modes}))
+    return path
+
+
+def test_pareto_points_bytes_quality_and_front(tmp_path):
+    import pareto
+
+    acc = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-hidden-dtype", "float32"])
+    paper = acc["fa_kv_bytes_per_token"] + acc["tail_replay_hidden_bytes_per_token"]
+    slot = acc["mamba_slot"]["total_bytes"]
+    out = tmp_path / "img" / "pareto.png"
+    data = pareto.main(["--quality", str(_quality_json(tmp_path)), "--out", str(out)])
+    assert data["protocols"] == ["context_first", "new_question"] and data["suite"] == "ruler"
+    by = {(p["mode"], p["protocol"]): p for p in data["points"]}
+    assert {m for m, _ in by} == {"r0.05", "anchored", "anchored_n1024", "full"} and len(by) == 8
+    first = {m: p for (m, proto), p in by.items() if proto == "context_first"}
+    assert [first[m]["kind"] for m in ("r0.05", "anchored", "anchored_n1024", "full")] == [
+        "paper", "anchored", "anchored", "full"]
+    # paper and full: KV + hiddens; anchored every N tokens: + one slot / N (the default N = 512).
+    assert first["r0.05"]["bytes"] == first["full"]["bytes"] == paper
+    assert first["anchored"]["anchor_interval"] == 512 and first["anchored"]["bytes"] == paper + slot / 512
+    assert first["anchored_n1024"]["bytes"] == pytest.approx(paper + slot / 1024)
+    a = first["anchored"]
+    assert (a["pct"], a["replayed"], a["exact_share"]) == (100.0, 256.0, 1.0)
+    b = by["anchored", "new_question"]
+    assert (b["pct"], b["replayed"], b["exact_share"], b["bytes"]) == (90.0, 356.0, 0.5, a["bytes"])
+    assert data["reference"] == {"context_first": 0.5, "new_question": 0.5}
+    # Within a protocol each is best at something: r0.05 and full cost the fewest bytes (r0.05 replaying less,
+    # full scoring more), anchored N=1024 fewer than N=512, which scores more and replays the least of the exact
+    # modes; across protocols nothing is compared.
+    assert all(p["pareto"] for p in data["points"])
+    assert not pareto.dominates(first["anchored"], first["full"]) and pareto.dominates(
+        {"bytes": 1, "pct": 100, "replayed": 0}, first["r0.05"])
+    assert out.stat().st_size > 0
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert [(p["mode"], p["protocol"]) for p in written["points"][:2]] == [("r0.05", "context_first"),
+                                                                          ("anchored", "context_first")]
+    one = pareto.main(["--quality", str(tmp_path / "quality.json"), "--out", str(tmp_path / "one.png"),
+                       "--protocol", "new_question"])
+    assert {p["protocol"] for p in one["points"]} == {"new_question"} and len(one["points"]) == 4
+
+
+def test_pareto_missing_key_is_a_clear_error(tmp_path):
+    import pareto
+
+    with pytest.raises(SystemExit, match=r"mode r0.05: no mean replayed tokens \(tried replayed_mean"):
+        pareto.main(["--quality", str(_quality_json(tmp_path, drop="replayed_mean")),
+                     "--out", str(tmp_path / "p.png")])
+    result = json.loads(_quality_json(tmp_path).read_text())
+    for entry in result["modes"]:
+        entry["ruler"] = {"mean": 0.5} if entry["mode"] != "cache_off" else entry["ruler"]
+    (tmp_path / "q2.json").write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match=r"mode r0.05: no score for ruler"):
+        pareto.main(["--quality", str(tmp_path / "q2.json"), "--out", str(tmp_path / "p.png")])
+    # The exact share is optional (the table shows '-'); exact hits over hits stand in for a missing share.
+    data = pareto.points(json.loads(_quality_json(tmp_path, drop="exact_share").read_text()))
+    assert {p["mode"]: p["exact_share"] for p in data["points"] if p["protocol"] == "new_question"} == {
+        "r0.05": 0.0, "anchored": 0.5, "anchored_n1024": 0.4, "full": 1.0}
+    result = json.loads(_quality_json(tmp_path, protocols=[None]).read_text())
+    for entry in result["modes"]:
+        for key in ("exact_share", "exact_hits", "hits", "protocol"):
+            entry.pop(key)
+    data = pareto.points(result)  # the older format: no protocol, no exact share
+    assert data["protocols"] == [None] and all(p["exact_share"] is None for p in data["points"])
+    with pytest.raises(pareto.QualityFormatError, match="no cache_off mode"):
+        pareto.points({"model": "quality-qwen35", "modes": [{"mode": "full"}]})
 
 
 def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, tmp_path):
@@ -62,3 +281,79 @@ def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, t
         assert stock["requests"] == tr["requests"] and stock["matchable"] == tr["matchable"], shape
         assert all(r["ttft_s"] > 0 for r in tr["records"] + stock["records"])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+# ---- bench/memory.py: computed from configs, no server ----
+
+def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
+    """One mamba slot as SGLang 0.5.23 sizes it (Qwen3NextConfig.mamba2_cache_params at TP 1)."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape, mamba2_state_dtype
+
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
+        n_groups=config["linear_num_key_heads"], num_heads=config["linear_num_value_heads"],
+        head_dim=config["linear_value_head_dim"], state_size=config["linear_key_head_dim"],
+        conv_kernel=config["linear_conv_kernel_dim"])
+    return Mamba2CacheParams(shape=shape, layers=list(range(n_gdn)), dtype=mamba2_state_dtype(None)).mamba_cache_per_req
+
+
+@pytest.mark.parametrize("model", memory.ALL_MODELS)
+def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
+    import torch
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    from tailreplay_sglang import hidden_store
+    from tailreplay_sglang.layout import HybridLayout
+
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    _, config, _ = memory.resolve_model(model)
+    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    for flag, served in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", None)):
+        acc = memory.account(model, ["--dtype", flag])
+        served = served or _get_and_verify_dtype(config, "auto")  # the checkpoint's dtype as SGLang serves it
+        assert memory.serving_dtype(config, ["--dtype", flag]) == served
+        # hidden dtype auto = the serving dtype, as for the KV pool without --kv-cache-dtype
+        assert acc["hidden_dtype_flag"] == "auto"
+        assert acc["hidden_dtype"] == acc["kv_dtype"] == acc["serving_dtype"] == str(served).removeprefix("torch.")
+        assert acc["tail_replay_hidden_bytes_per_token"] == hidden_store.bytes_per_token(layout, served)
+        slot = acc["mamba_slot"]["total_bytes"]
+        assert slot == _sglang_slot_bytes(config, acc["gdn_layers"])
+        anchors = acc["anchors"]
+        assert anchors["anchored"] and anchors["bytes_per_anchor"] == slot
+        assert [row["interval"] for row in anchors["intervals"]] == list(memory.ANCHOR_INTERVALS)
+        paper = acc["fa_kv_bytes_per_token"] + acc["tail_replay_hidden_bytes_per_token"]
+        assert acc["paper_bytes_per_cached_token"] == acc["tail_replay_bytes_per_cached_token"] == paper
+        assert acc["stock_bytes_per_cached_token"] == acc["fa_kv_bytes_per_token"]
+        for row in anchors["intervals"]:
+            assert row["anchor_bytes_per_token"] == slot / row["interval"]
+            assert row["tail_replay_bytes_per_cached_token"] == paper + slot / row["interval"]
+    # An explicit hidden dtype stays selectable.
+    acc = memory.account(model, ["--dtype", "float32", "--tail-replay-hidden-dtype", "bfloat16"])
+    assert acc["hidden_dtype"] == "bfloat16" and acc["kv_dtype"] == "float32"
+
+
+def test_memory_anchor_intervals_follow_the_server_flags():
+    acc = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-anchor-interval", "1024"])
+    assert [row["interval"] for row in acc["anchors"]["intervals"]] == [1024]
+    assert acc["anchors"]["anchor_interval"] == 1024 and acc["tail_replay_slots_per_checkpoint"] == 1
+    off = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-exact-budget", "0"])
+    assert not off["anchors"]["anchored"] and off["anchors"]["intervals"] == []
+    assert off["tail_replay_slots_per_checkpoint"] == 0
+    # 16K prefilled in 4096-token chunks at N=512: 7 interval anchors + 1 chunk end per chunk.
+    assert memory.anchors_in_prefix(16384, 512) == 32 and memory.anchors_in_prefix(5000, 0) == 2
+
+
+def test_memory_all_table_and_json(tmp_path):
+    out = tmp_path / "memory.json"
+    accs = memory.main(["--all", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert [m["model"] for m in data["models"]] == list(memory.ALL_MODELS) == [a["model"] for a in accs]
+    assert "by hand" in data["note"]
+    for m in data["models"]:
+        assert {"fa_kv_bytes_per_token", "tail_replay_hidden_bytes_per_token", "mamba_slot", "anchors"} <= set(m)
+    real = {m["model"]: m for m in data["models"]}
+    assert real["Qwen3.5-4B"]["config_source"] == "hand-written shapes"
+    assert (real["Qwen3.5-4B"]["fa_layers"], real["Qwen3.5-4B"]["gdn_layers"]) == (8, 24)
+    assert (real["Qwen3.6-27B"]["fa_layers"], real["Qwen3.6-27B"]["gdn_layers"]) == (16, 48)
+    assert real["Qwen3.6-27B"]["hidden_dtype"] == "bfloat16"  # --dtype auto on a bfloat16 checkpoint
