@@ -1,13 +1,14 @@
-"""PendingReplays (tailreplay_sglang/replay.py): a hit waits here from prepare_for_extend to its batch's forward."""
+"""PendingReplays (tailreplay_sglang/pending.py): a hit waits here from prepare_for_extend to its batch's forward."""
 
-from tailreplay_sglang.replay import PendingReplays
+from tailreplay_sglang.pending import Match, PendingReplays
 
 
 def test_take_returns_rows_whose_prefix_is_the_match():
     pending = PendingReplays()
-    pending.add(req_pool_idx=5, matched=100, req="a")
-    pending.add(req_pool_idx=7, matched=40, req="b")
-    assert pending.take([7, 3, 5], [40, 0, 100]) == [(0, 40, "b"), (2, 100, "a")]
+    a, b = Match(100, None), Match(40, 0)
+    pending.add(req_pool_idx=5, match=a, req="a")
+    pending.add(req_pool_idx=7, match=b, req="b")
+    assert pending.take([7, 3, 5], [40, 0, 100]) == [(0, b, "b"), (2, a, "a")]
     assert len(pending) == 0
 
 
@@ -15,12 +16,12 @@ def test_a_leftover_entry_is_dropped_not_replayed_into_the_next_request_on_its_r
     # Row 5's request was aborted after prepare_for_extend; a later chunked-prefill request on row 5 whose prefix
     # happens to have the same length must not get its live state overwritten by a replay.
     pending = PendingReplays()
-    pending.add(req_pool_idx=5, matched=128, req="aborted")
+    pending.add(req_pool_idx=5, match=Match(128, 64), req="aborted")
     assert pending.take([2], [0]) == []
     assert pending.take([5], [128]) == []
 
 
 def test_a_match_that_is_not_the_extend_prefix_is_not_replayed():
     pending = PendingReplays()
-    pending.add(req_pool_idx=1, matched=64, req="r")
+    pending.add(req_pool_idx=1, match=Match(64, None), req="r")
     assert pending.take([1], [32]) == []
