@@ -5,7 +5,7 @@ workload against each.
 
 The workload is what users of hybrid models send all the time: one long system prompt with different questions,
 an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request and
-server it prints the prompt length, SGLang's `cached_tokens`, the replayed tokens and the time to first token, and
+server it prints the prompt length, SGLang's `cached_tokens`, the replayed tokens (with the anchor they started from and whether the hit is exact) and the time to first token, and
 writes them as JSON. The two servers run one after the other on the same machine.
 """
 
@@ -87,6 +87,7 @@ def run_workload(model_path: Path, tok, server_args: tuple, args, log_path: Path
             meta = r["meta_info"]
             results.append({"request": name, "prompt_tokens": len(ids), "cached_tokens": meta["cached_tokens"],
                             "replayed_tokens": meta.get("tail_replay_tokens", 0), "ttft_s": r["ttft_s"],
+                            "exact": meta.get("tail_replay_exact"), "anchor": meta.get("tail_replay_anchor"),
                             "answer": tok.decode(r["output_ids"])})
             return r
 
@@ -123,11 +124,14 @@ def main(argv=None):
         table.add_column(f"{name}\ncached", justify="right")
         table.add_column(f"{name}\nTTFT s", justify="right")
     table.add_column("Tail-Replay\nreplayed", justify="right")
+    table.add_column("Tail-Replay\nfrom anchor", justify="right")
+    table.add_column("exact", justify="center")
     stock, tail = runs["stock SGLang"], runs["Tail-Replay"]
     for s_row, t_row in zip(stock, tail):
         table.add_row(s_row["request"], str(s_row["prompt_tokens"]), str(s_row["cached_tokens"]),
                       f"{s_row['ttft_s']:.2f}", str(t_row["cached_tokens"]), f"{t_row['ttft_s']:.2f}",
-                      str(t_row["replayed_tokens"]))
+                      str(t_row["replayed_tokens"]), "-" if t_row["anchor"] is None else str(t_row["anchor"]),
+                      {True: "yes", False: "no"}.get(t_row["exact"], "-"))
     console.print(table)
     out.write_text(json.dumps({"model": str(model_path), "server_args": args.server_args, "runs": runs}, indent=2))
     console.print(f"wrote {out}")
