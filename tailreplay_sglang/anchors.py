@@ -15,11 +15,7 @@ Only on the torch GDN path (CPU without sgl-kernel): the GPU chunk kernels form 
 nothing here reads them yet, so on a GPU only the request-end and chunk-end anchors are kept.
 """
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken in its last prefill forward
 

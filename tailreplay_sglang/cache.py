@@ -24,7 +24,9 @@ from tailreplay_sglang.state import RuntimeState
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
 MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be rebuilt before its extend
-EXACT_ATTR = "tail_replay_exact"  # False on a Req whose state came from a zero-init tail: it donates no anchor
+# False on a Req whose state came from a zero-init tail: it donates no anchor. The same attribute is the request's
+# `tail_replay_exact` in meta_info (visibility.py).
+EXACT_ATTR = "tail_replay_exact"
 
 
 def is_exact(req) -> bool:
@@ -70,11 +72,11 @@ class TailReplayMambaComponent(MambaComponent):
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
                 self._copy_state_into_new_slot(req, anchor)
-            setattr(req, MATCH_ATTR, Match(m, c))
-            setattr(req, EXACT_ATTR, True)
+            match = Match(m, c, exact=True)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
-            setattr(req, MATCH_ATTR, Match(m, None))
-            setattr(req, EXACT_ATTR, config.is_exact_fallback(m))
+            match = Match(m, None, exact=config.is_exact_fallback(m))
+        setattr(req, MATCH_ATTR, match)
+        setattr(req, EXACT_ATTR, match.exact)  # what later checkpoints of the request read; also in meta_info
         return result
 
     def _copy_state_into_new_slot(self, req, anchor) -> None:

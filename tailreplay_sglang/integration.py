@@ -112,7 +112,8 @@ def drop_interval_anchors(result, cache, req, *args, **kwargs):
 
 def replay_after_clear(result, runner, forward_batch, *args, **kwargs):
     if RuntimeState.store is not None and forward_batch.forward_mode.is_extend():
-        ran = replay.run_pending(runner, forward_batch, RuntimeState.store, RuntimeState.pending, RuntimeState.config, RuntimeState.metrics)
+        state = RuntimeState
+        ran = replay.run_pending(runner, forward_batch, state.store, state.pending, state.config, state.metrics)
         if ran is not None and RuntimeState.fault_replay_delay_s:
             time.sleep(RuntimeState.fault_replay_delay_s)
     return result

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Match:
     matched: int  # m: tokens of KV reused
-    anchor: int | None  # c: the state kept at this depth was copied into the request's slot; None: zero-init
+    anchor: int | None  # c: the replay starts from the state kept at this depth (0: the root); None: zero-init tail
+    exact: bool = False  # the rebuilt state is exact: an anchor, or a zero-init tail covering the whole match
 
 
 class PendingReplays:

@@ -3,10 +3,11 @@
 On a hit of m tokens a request's mamba slot holds either a copy of the anchor state kept at depth c (`cache.py`:
 anchored, exact), and it replays [c, m), or a cleared state, and it replays the paper's tail [m - k, m) with
 k = config.tail_len(m) (approximate unless k = m). Every group replays independently from its slot state over those
-tokens: group 0 from the embeddings of the tokens, later groups from the hidden store. Inside a group each GDN layer runs input norm -> projections -> conv -> GDN
-(`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch ops on CPU) with its states written into the request's
-slot; the group's last GDN layer computes only its state (its outputs, norm, output projection and FFN feed nothing
-the next group uses). All hit requests of a prefill batch replay together as one varlen batch.
+tokens: group 0 from the embeddings of the tokens, later groups from the hidden store. Inside a group each GDN
+layer runs input norm -> projections -> conv -> GDN (`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch
+ops on CPU) with its states written into the request's slot; the group's last GDN layer computes only its state
+(its outputs, norm, output projection and FFN feed nothing the next group uses). All hit requests of a prefill
+batch replay together as one varlen batch.
 
 For a zero-init tail the pass also reports how much of the dropped prefix state could still count at m: the
 largest, over GDN layers and heads, of exp(sum of the log-gates over the tail). Each GDN step multiplies the state by
@@ -20,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-import torch.nn.functional as F
-
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.cpu.gdn import gdn_gating
 from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
 from tailreplay_sglang.pending import Match, PendingReplays
@@ -99,8 +99,8 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     qkvz, ba = la._forward_input_proj(h)
     q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)  # the model's own layout of its projections
     T = h.shape[0]
-    batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(a.reshape(T, -1), la.A_log, la.dt_bias,
-                                                                             batch))
+    g, _ = gdn_gating(la.A_log, a.reshape(T, -1), b.reshape(T, -1), la.dt_bias)  # T x HV: cheap beside the layer
+    batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(g[0], batch))
     mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
     core = replay_gdn_layer(mixed, a.reshape(T, -1), b.reshape(T, -1), la.attn.conv_weights, la.attn.bias,
                             la.A_log, la.dt_bias, batch.cu_seqlens, batch.mamba_slots, cache.conv[0],
@@ -113,10 +113,8 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def tail_log_survival(a, A_log, dt_bias, batch: ReplayBatch) -> torch.Tensor:
-    """[n] max over heads of sum_t g_t over each tail, g = -exp(A_log) softplus(a + dt_bias) (the GDN log-gate):
-    T x HV work next to a layer's projections, so the indicator costs almost nothing."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), threshold=20.0)  # [T, HV]
+def tail_log_survival(g: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+    """[n] max over heads of sum_t g_t over each tail, from the log-gates g [T, HV] of one layer."""
     lens = torch.tensor(batch.tail_lens, device=g.device)
     seq = torch.repeat_interleave(torch.arange(len(batch.tail_lens), device=g.device), lens)
     sums = torch.zeros(len(batch.tail_lens), g.shape[1], device=g.device).index_add_(0, seq, g)
@@ -127,10 +125,9 @@ def run_pending(runner, forward_batch, store: HiddenStore, pending: PendingRepla
                 metrics=None) -> ReplayBatch | None:
     rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
     for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
-        exact = match.anchor is not None or config.is_exact_fallback(match.matched)
-        visibility.record_hit(req, match.anchor, exact, survival=None if exact else 1.0)
+        visibility.record_hit(req, match.anchor, survival=None if match.exact else 1.0)
         if metrics is not None:
-            metrics.observe_hit(exact)
+            metrics.observe_hit(match.exact)
     batch = plan(runner, forward_batch, rows, config) if rows else None
     if batch is None:
         return None

@@ -19,8 +19,9 @@ DEFAULTS = {"tail_replay_tokens": 0, "tail_replay_ms": 0.0, "tail_replay_exact":
 KEYS = tuple(DEFAULTS)
 
 
-def record_hit(req, anchor: int | None, exact: bool, survival: float | None) -> None:
-    req.tail_replay_anchor, req.tail_replay_exact, req.tail_replay_state_survival = anchor, exact, survival
+def record_hit(req, anchor: int | None, survival: float | None) -> None:
+    # `tail_replay_exact` is already on the request: the cache sets it at the match (cache.EXACT_ATTR)
+    req.tail_replay_anchor, req.tail_replay_state_survival = anchor, survival
 
 
 def record_replay(req, tokens: int, ms: float, survival: float) -> None:

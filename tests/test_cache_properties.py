@@ -329,7 +329,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.init_next_round_input(self.cache)
         self.req_pool.mamba_allocator.alloc_group_end()
         self.check_hit(tokens, req.prefix_len, req.last_node, limit=len(tokens) - 1)
-        assert getattr(req, MATCH_ATTR, None) == Match(req.prefix_len, None), f"hit of {req.prefix_len} not marked"
+        match = getattr(req, MATCH_ATTR, None)
+        assert match is not None and (match.matched, match.anchor) == (req.prefix_len, None), \
+            f"hit of {req.prefix_len} not marked"
         chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
         req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
         if not self.can_allocate(chunk):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tailreplay_sglang.anchors import offsets
+from tailreplay_sglang.cpu.gdn import gdn_gating
 from tailreplay_sglang.replay import ReplayBatch, tail_log_survival
 
 
@@ -13,7 +14,7 @@ def test_tail_log_survival_is_the_largest_headwise_sum_of_log_gates_per_tail():
     lens, HV = [5, 1, 17], 4
     a, A_log, dt_bias = torch.randn(sum(lens), HV), torch.randn(HV), torch.randn(HV)
     batch = ReplayBatch(torch.zeros(0), torch.zeros(0), torch.zeros(3), lens, [None] * 3)
-    got = tail_log_survival(a, A_log, dt_bias, batch)
+    got = tail_log_survival(gdn_gating(A_log, a, torch.zeros_like(a), dt_bias)[0][0], batch)
     start = 0
     for i, n in enumerate(lens):
         per_head = [sum(-math.exp(A_log[h]) * F.softplus(a[t, h] + dt_bias[h]).item() for t in range(start, start + n))
