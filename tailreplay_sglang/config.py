@@ -42,6 +42,7 @@ class TailReplayConfig:
     exact_budget: int | None = None
 
     def __post_init__(self):
+        self._check_types()
         if not 0.0 < self.ratio <= 1.0:
             raise TailReplayConfigError(f"--tail-replay-ratio must be in (0, 1], got {self.ratio}")
         if self.min_tokens < 1:
@@ -67,6 +68,18 @@ class TailReplayConfig:
             raise TailReplayConfigError(f"--tail-replay-exact-budget must be >= 0, got {self.exact_budget}")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
+
+    def _check_types(self) -> None:
+        """argparse converts the command line's strings; the Python keywords (python_api.py) arrive as given."""
+        number, integer, text, none = (int, float), (int,), (str,), (type(None),)
+        expected = {"ratio": number, "min_tokens": integer, "max_tokens": integer + none, "hidden_dtype": text,
+                    "mode": text, "hidden_tier": text + none, "h2d": text, "anchor_interval": integer,
+                    "exact_budget": integer + none}
+        for name, kinds in expected.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                kind = "a number" if float in kinds else "a string" if str in kinds else "an integer"
+                raise TailReplayConfigError(f"--tail-replay-{name.replace('_', '-')} must be {kind}, got {value!r}")
 
     def tail_len(self, matched: int) -> int:
         """Tokens to replay for a hit of `matched` tokens: k = clamp(ceil(r*m), min, max), never more than m."""

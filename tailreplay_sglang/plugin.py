@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 _OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
                  "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d",
                  "tail_replay_anchor_interval", "tail_replay_exact_budget")
+# The same flags as keywords of sglang.Engine / sgl.Runtime (python_api.py)
+KEYWORDS = ("enable_tail_replay", *_OPTION_DESTS)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +56,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
     """Validate our flags against each other and against the rest of the server's flags."""
     given = {d: getattr(args, d) for d in _OPTION_DESTS if getattr(args, d, None) is not None}
-    if not getattr(args, "enable_tail_replay", False):
+    enabled = getattr(args, "enable_tail_replay", None) or False
+    if not isinstance(enabled, bool):  # the Python keyword; argparse's store_true is always a bool
+        raise TailReplayConfigError(f"--enable-tail-replay must be True or False, got {enabled!r}")
+    if not enabled:
         if given:
             flag = "--" + next(iter(given)).replace("_", "-")
             raise TailReplayConfigError(f"{flag} requires --enable-tail-replay")

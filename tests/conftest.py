@@ -49,6 +49,36 @@ def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
         assert not _group_alive(server.proc.pid), "server process group survived stop()"
 
 
+# The paper's mode (no anchors: --tail-replay-exact-budget 0) replaying the whole prefix (ratio 1): exact. One
+# server for the session, shared by test_tail_replay.py and test_python_api.py (anchored replay: its own file).
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
+               "--tail-replay-hidden-dtype", "float32",
+               "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
+
+
+@pytest.fixture(scope="session")
+def exact_tail_replay_server(tiny_qwen35, tmp_path_factory):
+    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS)
+
+
+def run_forked_program(backend, system: str, question: str) -> list[dict]:
+    """An SGLang frontend program (`sgl.function`) that forks 3 branches after `system + question`, run twice (the
+    first run's branches race in one prefill batch, so some miss); the second run's meta_info per branch."""
+    import sglang as sgl
+
+    @sgl.function
+    def branches(s, question):
+        s += system + " " + question
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" branch {i} says"
+            f += sgl.gen("answer", max_tokens=4, temperature=0)
+        return [f.get_meta_info("answer") for f in forks]
+
+    branches.run(question=question, backend=backend)
+    return branches.run(question=question, backend=backend).ret_value
+
+
 def generate(server, input_ids, max_new_tokens, **extra) -> dict:
     """Greedy /generate of exactly max_new_tokens tokens; returns the response JSON."""
     body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,

@@ -12,25 +12,20 @@ import requests
 from transformers import AutoTokenizer
 
 from conftest import generate as shared_generate
-from conftest import start_server
+from conftest import EXACT_FLAGS, run_forked_program, start_server
 from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 from tailreplay_sglang.eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
 NEW = 12
-# The paper's mode (no anchors: --tail-replay-exact-budget 0) replaying the whole prefix; anchored replay has
-# tests/test_anchored_replay.py.
-EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
-               "--tail-replay-hidden-dtype", "float32",
-               "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS)
+def server(exact_tail_replay_server):
+    return exact_tail_replay_server
 
 
 @pytest.fixture(scope="module")
@@ -247,22 +242,11 @@ def test_frontend_program_with_fork(server, hf):
     """An SGLang frontend program (`sgl.function`) that forks after a shared prefix: every branch hits it."""
     import sglang as sgl
 
-    @sgl.function
-    def branches(s, question):
-        s += SYSTEM + " " + question
-        forks = s.fork(3)
-        for i, f in enumerate(forks):
-            f += f" branch {i} says"
-            f += sgl.gen("answer", max_tokens=4, temperature=0)
-        return [f.get_meta_info("answer") for f in forks]
-
     _, tok = hf
     flush(server)
-    backend = sgl.RuntimeEndpoint(server.base_url)
-    branches.run(question="what happened?", backend=backend)  # branches race in one prefill batch: some miss
-    state = branches.run(question="what happened?", backend=backend)  # stock SGLang: 0 cached on every branch
+    metas = run_forked_program(sgl.RuntimeEndpoint(server.base_url), SYSTEM, "what happened?")  # stock: 0 cached
     prefix_len = len(tok(SYSTEM + " what happened?").input_ids)
-    cached = [meta["cached_tokens"] for meta in state.ret_value]
+    cached = [meta["cached_tokens"] for meta in metas]
     assert len(cached) == 3 and all(c >= prefix_len - 1 for c in cached), (cached, prefix_len)
 
 

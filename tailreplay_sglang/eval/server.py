@@ -32,6 +32,31 @@ CPU_FLAGS = (
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
+def flags_to_keywords(flags: tuple[str, ...]) -> dict:
+    """`("--device", "cpu", "--disable-cuda-graph", ...)` -> `{"device": "cpu", "disable_cuda_graph": True, ...}`:
+    the same server flags as `sglang.Engine` keywords (numbers as numbers)."""
+    keywords, i = {}, 0
+    while i < len(flags):
+        name = flags[i].removeprefix("--").replace("-", "_")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            keywords[name], i = _number_or_text(flags[i + 1]), i + 2
+        else:
+            keywords[name], i = True, i + 1
+    return keywords
+
+
+def _number_or_text(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+CPU_KEYWORDS = flags_to_keywords(CPU_FLAGS)  # for sglang.Engine / sgl.Runtime
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
