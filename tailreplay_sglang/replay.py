@@ -109,8 +109,19 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
         return None
     dv = la.head_v_dim
     out = la.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, -1)
-    x = x + la.out_proj(out)[0]
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + _sum_over_tp_ranks(la.out_proj(out)[0])
+    return x + _sum_over_tp_ranks(layer.mlp(layer.post_attention_layernorm(x)))
+
+
+def _sum_over_tp_ranks(partial: torch.Tensor) -> torch.Tensor:
+    """The output projection and the MLP are row-parallel with reduce_results=False: in the model's forward its
+    layer communicator all-reduces their outputs across TP ranks. The replay calls them directly, so it reduces them
+    itself; every rank replays the same batch at the same point (TP schedulers run in lockstep), so the collectives
+    pair up. A no-op at TP 1."""
+    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return tensor_model_parallel_all_reduce(partial) if get_tensor_model_parallel_world_size() > 1 else partial
 
 
 def tail_log_survival(g: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:

@@ -164,3 +164,20 @@ def flush_cache(base_url: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{base_url}/flush_cache still refused after {timeout:.0f} s: {r.status_code} {r.text}")
         time.sleep(0.1)
+
+
+@dataclass
+class RouterProcess(ServerProcess):
+    """`python -m sglang_router.launch_router` (sglang-router, pinned in requirements/) in front of running workers.
+    Started, health-checked and stopped like a server."""
+
+    model_path: str = ""
+    worker_urls: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+
+    prometheus_port: int = field(default_factory=free_port)  # the router's default (29000) would clash between two
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+                "--worker-urls", *self.worker_urls, "--policy", self.policy, *self.extra_args]

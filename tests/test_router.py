@@ -1,0 +1,82 @@
+"""Tail-Replay workers behind the real `sglang-router` (pinned in requirements/): with cache-aware routing, requests
+that share a prefix reach the worker holding it and hit; round-robin scatters them."""
+
+import pytest
+import requests
+
+from transformers import AutoTokenizer
+
+from tailreplay_sglang.eval.server import RouterProcess, ServerProcess, _group_alive, flush_cache
+
+pytestmark = pytest.mark.server
+
+PREFIXES = [
+    "you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, " * 2,
+    "a young engineer repaired a broken window in the library because the mayor ordered it, and then " * 2,
+    "the children walked along the river to the old mill where the baker sold bread every morning; " * 2,
+]
+QUESTIONS = [" what happened first?", " who was there?", " why did it matter?"]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_qwen35, tmp_path_factory):
+    """Two Tail-Replay workers, started together (they load at once: one server's start-up time)."""
+    folder = tmp_path_factory.mktemp("workers")
+    servers = [ServerProcess(str(tiny_qwen35), ("--enable-tail-replay",), log_path=folder / f"worker{i}.log",
+                             env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}) for i in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        yield [server.wait_healthy() for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+            assert not _group_alive(server.proc.pid), "worker process group survived stop()"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen35):
+    return AutoTokenizer.from_pretrained(tiny_qwen35)
+
+
+@pytest.fixture(scope="module")
+def routers(workers, tmp_path_factory):
+    urls = tuple(w.base_url for w in workers)
+    started = {}
+    try:
+        for policy in ("cache_aware", "round_robin"):
+            log = tmp_path_factory.mktemp("router") / f"{policy}.log"
+            started[policy] = RouterProcess(worker_urls=urls, policy=policy, log_path=log).start().wait_healthy(120)
+        yield started
+    finally:
+        for router in started.values():
+            router.stop()
+
+
+def _run(router: ServerProcess, workers, tok) -> list[tuple[int, int]]:
+    """Every prefix once, then each again with new questions, interleaved: (cached, prefix tokens) per follow-up."""
+    for w in workers:
+        flush_cache(w.base_url)
+    follow_ups = []
+    for round_ in range(len(QUESTIONS)):
+        for prefix in PREFIXES:
+            body = {"text": prefix + QUESTIONS[round_], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+            r = requests.post(f"{router.base_url}/generate", json=body, timeout=120)
+            r.raise_for_status()
+            meta = r.json()["meta_info"]
+            if round_:
+                follow_ups.append((meta["cached_tokens"], len(tok(prefix).input_ids) - 1))  # -1: merges at the end
+    return follow_ups
+
+
+def test_cache_aware_routing_sends_a_prefix_to_its_worker_and_every_follow_up_hits(routers, workers, tok):
+    follow_ups = _run(routers["cache_aware"], workers, tok)
+    assert len(follow_ups) == len(PREFIXES) * (len(QUESTIONS) - 1)
+    assert all(cached >= prefix for cached, prefix in follow_ups), follow_ups
+
+
+def test_round_robin_scatters_a_prefix_and_its_second_request_misses(routers, workers, tok):
+    """Round-robin over 2 workers and 3 prefixes: a prefix's 2nd request lands on the other worker than its 1st."""
+    follow_ups = _run(routers["round_robin"], workers, tok)
+    second_requests = follow_ups[:len(PREFIXES)]
+    assert all(cached < prefix for cached, prefix in second_requests), follow_ups

@@ -1,0 +1,90 @@
+"""Tail-Replay with SGLang's tensor and data parallelism on the CPU (`--tp-size 2`, `--dp-size 2`), against HF.
+
+Two ranks on these two cores need `SGLANG_CPU_OMP_THREADS_BIND` (one core each): without it SGLang's CPU path
+allows no more ranks than NUMA nodes (one here).
+"""
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import EXACT_FLAGS, generate, start_server
+from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_sglang.eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+NEW = 8
+SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
+          "while a young engineer repaired a broken window in the library because the mayor ordered it")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen35):
+    return load_hf_model(tiny_qwen35), AutoTokenizer.from_pretrained(tiny_qwen35)
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_qwen35, tmp_path_factory):
+    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS, "--tp-size", "2", env=TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_qwen35, tmp_path_factory):
+    # anchored replay (the defaults) on both ranks, interval anchors every 64 tokens
+    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval",
+                            "64", "--dp-size", "2", env=TWO_RANKS)
+
+
+def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp_server, hf):
+    """Each rank replays its own GDN heads; the all-reduces after the output projection and the MLP pair up across
+    ranks (a missing one deadlocks or gives a partial sum, and the greedy tokens differ)."""
+    model, tok = hf
+    flush_cache(tp_server.base_url)
+    system = tok(SYSTEM).input_ids
+    generate(tp_server, system, NEW)
+    for question in (" what happened first?", " who repaired the window?"):
+        ids = system + tok(question).input_ids
+        out = generate(tp_server, ids, NEW)
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] >= len(system) - 1 and meta["tail_replay_tokens"] == meta["cached_tokens"]
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp_server, hf):
+    """The same check and tolerance as test_tail_replay.py's at TP 1."""
+    model, tok = hf
+    flush_cache(tp_server.base_url)
+    ids = tok(SYSTEM + " and then the story ends").input_ids
+    start = len(ids) - 6
+    generate(tp_server, ids[:start], 1)
+    out = generate(tp_server, ids, 1, return_logprob=True, logprob_start_len=start)
+    assert out["meta_info"]["cached_tokens"] == start
+    served = {pos: lp for pos, (lp, _, _) in enumerate(out["meta_info"]["input_token_logprobs"], start)
+              if lp is not None}
+    reference = prompt_logprobs(model, ids)
+    assert len(served) >= 5
+    assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
+
+
+def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf):
+    """A prefix cached on rank 0 hits on rank 0 only; rank 1 builds its own. Both ranks run Tail-Replay (the config
+    reached both schedulers): a fork mid-prefix hits at a token boundary, from an interval anchor, exactly."""
+    model, tok = hf
+    flush_cache(dp_server.base_url)
+    ids = tok(SYSTEM + " what happened first?").input_ids
+    fork = ids[:-9] + tok(" and who ordered it?").input_ids  # matches 9 tokens short of the end: no request ended there
+
+    def on(rank, prompt):
+        out = generate(dp_server, prompt, NEW, routed_dp_rank=rank)
+        assert out["meta_info"]["dp_rank"] == rank
+        return out
+
+    assert on(0, ids)["meta_info"]["cached_tokens"] == 0
+    assert on(1, fork)["meta_info"]["cached_tokens"] == 0  # rank 1 has not seen it
+    for rank in (0, 1):
+        out = on(rank, fork if rank == 0 else ids)
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] >= len(ids) - 10 and meta["tail_replay_exact"], meta
+        assert meta["tail_replay_anchor"] is not None and meta["tail_replay_tokens"] < 64
+        assert out["output_ids"] == greedy_generate(model, fork if rank == 0 else ids, NEW)
