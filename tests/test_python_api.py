@@ -58,7 +58,10 @@ def tok(tiny_qwen35):
     (dict(tail_replay_ratio=0.1), "--tail-replay-ratio requires --enable-tail-replay"),
     (dict(enable_tail_replay=True, tail_replay_anchor_interval=100), "--tail-replay-anchor-interval must be 0"),
     (dict(enable_tail_replay=True, disable_radix_cache=True), "does not support --disable-radix-cache"),
-], ids=["ratio-range", "ratio-type", "mode", "min-tokens-type", "enable-type", "without-enable", "interval", "combo"])
+    (dict(enable_tail_replay=True, pp_size=2), "supports --pp-size 1 only"),
+    (dict(enable_tail_replay=True, enable_dp_attention=True), "does not support --enable-dp-attention"),
+], ids=["ratio-range", "ratio-type", "mode", "min-tokens-type", "enable-type", "without-enable", "interval", "combo",
+        "pipeline", "dp-attention"])
 def test_bad_keyword_raises_naming_it_before_anything_starts(tiny_qwen35, keywords, message):
     import sglang
 
