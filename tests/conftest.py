@@ -36,6 +36,11 @@ def tiny_qwen3next() -> Path:
     return build_model("tiny-qwen3next", MODELS_DIR / "tiny-qwen3next")
 
 
+@pytest.fixture(scope="session")
+def tiny_olmo_hybrid() -> Path:
+    return build_model("tiny-olmo-hybrid", MODELS_DIR / "tiny-olmo-hybrid")
+
+
 def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
     """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
     log = tmp_path_factory.mktemp("server") / "server.log"
