@@ -197,6 +197,8 @@ class OlmoHybridAttentionDecoderLayer(nn.Module):
 class OlmoHybridLinearDecoderLayer(nn.Module):
     """Pre-norm: h += gdn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
 
+    carries_stream_in_hidden_states = True  # Tail-Replay captures a group's input as this layer's input
+
     def __init__(self, config, layer_id: int, quant_config, prefix: str):
         super().__init__()
         self.linear_attn = OlmoHybridGatedDeltaNet(config, layer_id, quant_config, add_prefix("linear_attn", prefix))
