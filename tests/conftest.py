@@ -37,6 +37,11 @@ def tiny_qwen3next() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen35_moe() -> Path:
+    return build_model("tiny-qwen35-moe", MODELS_DIR / "tiny-qwen35-moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_olmo_hybrid() -> Path:
     return build_model("tiny-olmo-hybrid", MODELS_DIR / "tiny-olmo-hybrid")
 

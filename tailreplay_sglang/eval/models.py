@@ -83,18 +83,21 @@ class Preset:
     partial_rotary_factor: float = PARTIAL_ROTARY_FACTOR
 
 
+# The test models' sizes (under a million parameters), shared by every family's tiny preset.
+TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_head_dim=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=32768, dtype="float32")
+
 PRESETS: dict[str, Preset] = {
     "tiny-qwen35": Preset(
-        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, dtype="float32",
+        model_type="qwen3_5_text", **TINY,
     ),
     "tiny-qwen3next": Preset(
-        model_type="qwen3_next", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, dtype="float32",
+        model_type="qwen3_next", **TINY,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "tiny-qwen35-moe": Preset(
+        model_type="qwen3_5_moe_text", **TINY,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # The quality-evaluation model (`tailreplay_sglang.eval.training`): trained on RULER-style tasks, ~2M parameters.
@@ -107,10 +110,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # OLMo-Hybrid (transformers' olmo_hybrid; served by tailreplay_sglang.models): same sizes as tiny-qwen35.
     "tiny-olmo-hybrid": Preset(
-        model_type="olmo_hybrid", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, dtype="float32",
+        model_type="olmo_hybrid", **TINY,
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
