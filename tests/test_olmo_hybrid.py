@@ -158,3 +158,24 @@ def test_tail_replay_error_ordering_zero_above_ratio_above_full(exact, hf, tiny_
             errors[name] = _suffix_logprob_error(srv, model, ids, start)
     assert errors["zero"] > 2 * errors["r=0.1"] > 2 * errors["full"], errors
     assert errors["full"] < LOGPROB_TOL, errors
+
+
+def test_default_anchored_tail_replay_is_exact(tiny_olmo_hybrid, tmp_path_factory, hf):
+    """`--enable-tail-replay` alone: interval anchors every 512 tokens, cut by the CPU prefill ops. A hit 100
+    tokens past the interval anchor at 512 replays [512, 612) from a copy of it (with beta = 2 sigmoid(b)) and is
+    exact; a resend replays nothing (the request-end anchor)."""
+    import random
+
+    model, _ = hf
+    rng = random.Random(5)
+    doc = [rng.randrange(3, 500) for _ in range(700)]
+    for srv in start_server(tiny_olmo_hybrid, tmp_path_factory, "--enable-tail-replay"):
+        generate(srv, doc, max_new_tokens=1)
+        fork = doc[:612] + [rng.randrange(3, 500) for _ in range(20)]
+        out = generate(srv, fork)
+        assert out["meta_info"]["cached_tokens"] == 612
+        assert out["meta_info"]["tail_replay_exact"] and out["meta_info"]["tail_replay_anchor"] == 512
+        assert out["meta_info"]["tail_replay_tokens"] == 100
+        assert out["output_ids"] == greedy_generate(model, fork, NEW)
+        again = generate(srv, fork)
+        assert again["meta_info"]["tail_replay_exact"] and again["output_ids"] == out["output_ids"]
