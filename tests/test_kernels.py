@@ -345,7 +345,7 @@ def test_sm90_compile_gdn_replay_kernel(dtype, state_only):
     tensors = f"q:*{dtype} k:*{dtype} v:*{dtype} a:*{dtype} b:*{dtype} A_log:*fp32 dt_bias:*fp32"
     output = {"o": None} if state_only else {}
     signature = tensors + ("" if state_only else f" o:*{dtype}") + " ht:*fp32 cu_seqlens:*i32 slots:*i64 " \
-        "stride_q:i64 stride_k:i64 stride_v:i64 stride_a:i64 stride_b:i64 stride_ht:i64 scale:fp32"
+        "stride_q:i64 stride_k:i64 stride_v:i64 stride_a:i64 stride_b:i64 stride_ht:i64 scale:fp32 beta_scale:fp32"
     _compile_for_sm90(kernels.gdn.gdn_replay_fwd_kernel, signature, **output, H=16, HV=32, K=128, V=128, BT=16,
                       BK=128, BV=32, STORE_OUTPUT=not state_only, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
 
