@@ -3,6 +3,11 @@
 Forward pre-hooks on GDN layers' `linear_attn` modules: SGLang calls `linear_attn(hidden_states, forward_batch)`
 right after the layer's fused add + RMSNorm, when `forward_batch.residual_stream.residual` holds the
 residual-stream value entering the layer, for the tokens at `forward_batch.out_cache_loc`.
+
+Models whose decoder layers carry the whole residual stream in `hidden_states` (no split residual; OLMo-Hybrid in
+`tailreplay_sglang.models`, marked `carries_stream_in_hidden_states`) are hooked on the decoder layer instead,
+`layer(positions, hidden_states, forward_batch)`: its input is the value entering the group. With OLMo-Hybrid's
+post-norm attention layers that is the FA layer's output, norms included, the same quantity as for Qwen3.5.
 """
 
 from functools import partial
@@ -26,11 +31,23 @@ def _capture_group_input(store: HiddenStore, first_layer: int, module, args):
     store.write_hidden(first_layer, forward_batch.out_cache_loc, stream.residual[:n])
 
 
+def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
+    hidden_states, forward_batch = args[1], args[2]
+    if forward_batch.out_cache_loc is None:
+        return
+    n = forward_batch.out_cache_loc.shape[0]
+    store.write_hidden(first_layer, forward_batch.out_cache_loc, hidden_states[:n])
+
+
 def install(layers, store: HiddenStore) -> list:
     """Register the hooks on the model's decoder layers; returns the handles."""
     groups = store.layout.groups
     handles = [layers[groups[0].first_layer].linear_attn.register_forward_pre_hook(partial(_capture_tokens, store))]
     for group in store.layout.stored_groups:
-        hook = partial(_capture_group_input, store, group.first_layer)
-        handles.append(layers[group.first_layer].linear_attn.register_forward_pre_hook(hook))
+        layer = layers[group.first_layer]
+        if getattr(layer, "carries_stream_in_hidden_states", False):
+            handles.append(layer.register_forward_pre_hook(partial(_capture_layer_input, store, group.first_layer)))
+        else:
+            hook = partial(_capture_group_input, store, group.first_layer)
+            handles.append(layer.linear_attn.register_forward_pre_hook(hook))
     return handles

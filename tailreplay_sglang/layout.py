@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LINEAR, FULL = "linear_attention", "full_attention"
-SUPPORTED = "Qwen3.5 (dense and MoE) and Qwen3-Next: models whose config lists linear_attention layers"
+SUPPORTED = "Qwen3.5 (dense and MoE), Qwen3-Next and OLMo-Hybrid: models whose config lists linear_attention layers"
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,10 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from tailreplay_sglang import models
+
+    models.register()  # OLMo-Hybrid, with or without --enable-tail-replay
+
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args,
                           HookType.AROUND)

@@ -6,7 +6,9 @@ k = config.tail_len(m) (approximate unless k = m). Every group replays independe
 tokens: group 0 from the embeddings of the tokens, later groups from the hidden store. Inside a group each GDN
 layer runs input norm -> projections -> conv -> GDN (`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch
 ops on CPU) with its states written into the request's slot; the group's last GDN layer computes only its state
-(its outputs, norm, output projection and FFN feed nothing the next group uses). All hit requests of a prefill
+(its outputs, norm, output projection and FFN feed nothing the next group uses). OLMo-Hybrid's GDN layers are
+pre-norm like Qwen3.5's (its post-norm attention layers are never replayed), so the same layer recipe serves it,
+with its own projections and beta = 2 sigmoid(b) (`gdn_inputs`, `beta_scale`). All hit requests of a prefill
 batch replay together as one varlen batch.
 
 For a zero-init tail the pass also reports how much of the dropped prefix state could still count at m: the
@@ -96,28 +98,43 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     Returns the next residual-stream value, or None when only the states were needed."""
     la = layer.linear_attn
     h = layer.input_layernorm(x)
-    qkvz, ba = la._forward_input_proj(h)
-    q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)  # the model's own layout of its projections
-    T = h.shape[0]
-    g, _ = gdn_gating(la.A_log, a.reshape(T, -1), b.reshape(T, -1), la.dt_bias)  # T x HV: cheap beside the layer
+    mixed, a, b, output = gdn_inputs(la, h)
+    g, _ = gdn_gating(la.A_log, a, b, la.dt_bias)  # T x HV: cheap beside the layer
     batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(g[0], batch))
-    mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-    core = replay_gdn_layer(mixed, a.reshape(T, -1), b.reshape(T, -1), la.attn.conv_weights, la.attn.bias,
-                            la.A_log, la.dt_bias, batch.cu_seqlens, batch.mamba_slots, cache.conv[0],
-                            cache.temporal, state_only=state_only, max_seqlen=max(batch.tail_lens))
+    core = replay_gdn_layer(mixed, a, b, la.attn.conv_weights, la.attn.bias, la.A_log, la.dt_bias, batch.cu_seqlens,
+                            batch.mamba_slots, cache.conv[0], cache.temporal, state_only=state_only,
+                            max_seqlen=max(batch.tail_lens), beta_scale=getattr(la, "beta_scale", 1.0))
     if state_only:
         return None
-    dv = la.head_v_dim
-    out = la.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, -1)
-    x = x + _sum_over_tp_ranks(la.out_proj(out)[0])
-    return x + _sum_over_tp_ranks(layer.mlp(layer.post_attention_layernorm(x)))
+    x = x + output(core)
+    return x + _tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), getattr(layer.mlp, "down_proj", None))
 
 
-def _sum_over_tp_ranks(partial: torch.Tensor) -> torch.Tensor:
-    """The output projection and the MLP are row-parallel with reduce_results=False: in the model's forward its
-    layer communicator all-reduces their outputs across TP ranks. The replay calls them directly, so it reduces them
-    itself; every rank replays the same batch at the same point (TP schedulers run in lockstep), so the collectives
-    pair up. A no-op at TP 1."""
+def gdn_inputs(la, h: torch.Tensor):
+    """The GDN module's pre-conv q | k | v [T, conv_dim], raw gates a, b [T, HV] and a function from the core
+    output to the module's output, each through the model's own layers."""
+    T = h.shape[0]
+    if hasattr(la, "project"):  # OLMo-Hybrid (tailreplay_sglang.models): separate projections, g-projection gate
+        mixed, a, b = la.project(h)
+        return mixed, a, b, lambda core: la.output(core, h)
+    qkvz, ba = la._forward_input_proj(h)
+    q, k, v, z, b, a = la.fix_query_key_value_ordering(qkvz, ba)  # Qwen's interleaved layout of its projections
+    mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+
+    def output(core):
+        dv = la.head_v_dim
+        return _tp_reduced(la.out_proj(la.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, -1))[0], la.out_proj)
+
+    return mixed, a.reshape(T, -1), b.reshape(T, -1), output
+
+
+def _tp_reduced(partial: torch.Tensor, linear) -> torch.Tensor:
+    """Qwen's output projection and MLP are row-parallel with reduce_results=False: in the model's forward its layer
+    communicator all-reduces their outputs across TP ranks. The replay calls them directly, so it reduces them itself;
+    every rank replays the same batch at the same point (TP schedulers run in lockstep), so the collectives pair up.
+    A no-op at TP 1 and for layers that reduce inside (OLMo-Hybrid's)."""
+    if linear is None or getattr(linear, "reduce_results", True):
+        return partial
     from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 

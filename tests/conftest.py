@@ -36,6 +36,16 @@ def tiny_qwen3next() -> Path:
     return build_model("tiny-qwen3next", MODELS_DIR / "tiny-qwen3next")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe() -> Path:
+    return build_model("tiny-qwen35-moe", MODELS_DIR / "tiny-qwen35-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo_hybrid() -> Path:
+    return build_model("tiny-olmo-hybrid", MODELS_DIR / "tiny-olmo-hybrid")
+
+
 def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
     """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -86,6 +96,33 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
     r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
     r.raise_for_status()
     return r.json()
+
+
+def check_multi_turn(server, model, tok, turn1_text, new_tokens) -> None:
+    """Decode-time capture: a second turn containing turn one's generated tokens matches through them (all but the
+    last generated token, which has no KV when the request finishes) and equals HF greedy."""
+    from tailreplay_sglang.eval.reference import greedy_generate
+
+    turn1 = tok(turn1_text).input_ids
+    answer = generate(server, turn1, new_tokens)["output_ids"]
+    turn2 = turn1 + answer + tok(" and a follow-up question?").input_ids
+    out = generate(server, turn2, new_tokens)
+    assert out["meta_info"]["cached_tokens"] >= len(turn1) + len(answer) - 1
+    assert out["output_ids"] == greedy_generate(model, turn2, new_tokens)
+
+
+def check_concurrent_hits(server, model, tok, system_ids, new_tokens) -> None:
+    """8 requests sharing `system_ids` (already cached), sent at once: each hits it and equals HF greedy."""
+    import concurrent.futures
+
+    from tailreplay_sglang.eval.reference import greedy_generate
+
+    prompts = [system_ids + tok(" question" * (i + 1)).input_ids for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: generate(server, p, new_tokens), prompts))
+    for ids, out in zip(prompts, outs):
+        assert out["meta_info"]["cached_tokens"] >= len(system_ids)
+        assert out["output_ids"] == greedy_generate(model, ids, new_tokens)
 
 
 def pytest_addoption(parser):

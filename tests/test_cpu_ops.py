@@ -93,6 +93,39 @@ def test_decode_update_matches_recurrence_and_continues_prefill():
         assert rel_err(pool[slots[i]], ref_state) < TOL
 
 
+def test_chunk_gated_delta_rule_with_beta_up_to_2_matches_recurrence():
+    """OLMo-Hybrid's negative eigenvalues: beta in (0, 2), so I - beta k k^T flips the state along k."""
+    q, k, v, g, beta, pool, idx, cu = _gdn_inputs([65, 130], 2, 4, 16, 24)
+    beta = beta * 2
+    assert beta.max() > 1.5  # the range the Qwen models never reach
+    pool_before = pool.clone()
+    o, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_o, ref_state = _reference(q, k, v, g, beta, pool_before[idx[i]], s, e)
+        assert rel_err(o[0, s:e], ref_o) < TOL
+        assert rel_err(pool[idx[i]], ref_state) < TOL
+
+
+def test_decode_update_with_beta_scale_2_continues_prefill():
+    """Prefill 40 tokens with beta = 2 sigmoid(b), then decode 3 tokens with beta_scale=2 == the recurrence."""
+    H, HV, K, V, T, P = 2, 4, 16, 16, 43, 40
+    A_log, dt_bias = torch.randn(HV) * 0.5, torch.randn(HV)
+    q, k, v = torch.randn(1, T, H, K), torch.randn(1, T, H, K), torch.randn(1, T, HV, V)
+    a, b = torch.randn(T, HV), torch.randn(T, HV) + 2  # sigmoid(b) mostly above 1/2: beta mostly above 1
+    pool, slot = torch.zeros(4, HV, V, K), torch.tensor([3])
+    g, beta = gdn.gdn_gating(A_log, a[:P], b[:P], dt_bias, beta_scale=2.0)
+    gdn.chunk_gated_delta_rule(q[:, :P], k[:, :P], v[:, :P], g, beta, pool, torch.tensor([0, P]), slot,
+                               use_qk_l2norm_in_kernel=True)
+    outs = [gdn.recurrent_gated_delta_rule_update(A_log, dt_bias, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
+                                                  a[t:t + 1], b[t:t + 1], pool, slot, torch.tensor([0, 1]),
+                                                  use_qk_l2norm_in_kernel=True, beta_scale=2.0)[0, 0]
+            for t in range(P, T)]
+    g, beta = gdn.gdn_gating(A_log.double(), a.double(), b.double(), dt_bias.double(), beta_scale=2.0)
+    ref_o, ref_state = _reference(q, k, v, g, beta, torch.zeros(HV, V, K), 0, T)
+    assert rel_err(torch.stack(outs), ref_o[P:]) < TOL
+    assert rel_err(pool[3], ref_state) < TOL
+
+
 def test_gating_formula():
     A_log, dt_bias, a, b = torch.randn(6), torch.randn(6), torch.randn(9, 6) * 10, torch.randn(9, 6)
     g, beta = gdn.gdn_gating(A_log, a, b, dt_bias)
@@ -101,6 +134,8 @@ def test_gating_formula():
     assert g.shape == beta.shape == (1, 9, 6) and g.dtype == beta.dtype == torch.float32
     assert rel_err(g[0], -A_log.double().exp() * softplus) < TOL
     assert rel_err(beta[0], torch.sigmoid(b.double())) < TOL
+    _, beta2 = gdn.gdn_gating(A_log, a, b, dt_bias, beta_scale=2.0)
+    assert rel_err(beta2[0], 2 * torch.sigmoid(b.double())) < TOL
 
 
 CONV_CASES = [

@@ -1,12 +1,16 @@
 """Tail-Replay flags on the stock entry point: registered by the installed plugin, refused at start-up with a
 message naming the flag (the launcher exits before any model is loaded)."""
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tailreplay_sglang.config import TailReplayConfigError
+from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 
 def launch(*args, timeout=180):
@@ -24,22 +28,45 @@ def test_flags_appear_in_stock_help():
         assert flag in out.stdout
 
 
-@pytest.mark.parametrize("args,message", [
+# Each case's message, checked by the code the launcher runs (`plugin.config_from_args` on the parsed flags) without
+# a launch: a launch costs ~15 s of imports. Three of them also go through the real launcher below.
+REFUSED = [
     (["--enable-tail-replay", "--tail-replay-ratio", "2"], "--tail-replay-ratio must be in (0, 1]"),
     (["--tail-replay-ratio", "0.1"], "--tail-replay-ratio requires --enable-tail-replay"),
     (["--enable-tail-replay", "--tail-replay-min-tokens", "100", "--tail-replay-max-tokens", "10"],
      "--tail-replay-min-tokens (100) must not exceed --tail-replay-max-tokens (10)"),
     (["--enable-tail-replay", "--disable-radix-cache"], "does not support --disable-radix-cache"),
-    (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
     (["--enable-tail-replay", "--tail-replay-anchor-interval", "100"],
      "--tail-replay-anchor-interval must be 0 (off) or a positive multiple of 64"),
     (["--enable-tail-replay", "--tail-replay-exact-budget", "-5"], "--tail-replay-exact-budget must be >= 0"),
     (["--tail-replay-exact-budget", "0"], "--tail-replay-exact-budget requires --enable-tail-replay"),
     (["--enable-tail-replay", "--tail-replay-hidden-tier", "host", "--device", "cuda"],
      "--tail-replay-hidden-tier host needs --disable-cuda-graph"),
-], ids=["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache", "unknown-tier",
-        "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs"])
-def test_invalid_flags_fail_at_start_up_naming_the_flag(tiny_qwen35, args, message):
+    (["--enable-tail-replay", "--pp-size", "2"], "--enable-tail-replay supports --pp-size 1 only"),
+]
+REFUSED_IDS = ["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache",
+               "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs",
+               "pipeline"]
+
+
+@pytest.mark.parametrize("args,message", REFUSED, ids=REFUSED_IDS)
+def test_invalid_flags_are_refused_naming_the_flag(tiny_qwen35, args, message):
+    parser = argparse.ArgumentParser()
+    for flag in ("--model-path", "--device", "--pp-size"):
+        parser.add_argument(flag, type=int if flag == "--pp-size" else str)
+    for flag in ("--disable-radix-cache", "--disable-cuda-graph"):
+        parser.add_argument(flag, action="store_true")
+    add_cli_args(parser)
+    with pytest.raises(TailReplayConfigError) as refused:
+        config_from_args(parser.parse_args(["--model-path", str(tiny_qwen35), *args]))
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    REFUSED[0], REFUSED[1],
+    (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
+], ids=["ratio-out-of-range", "option-without-enable", "unknown-tier"])
+def test_the_launcher_exits_at_start_up_naming_the_flag(tiny_qwen35, args, message):
     out = launch("--model-path", str(tiny_qwen35), *args)
     assert out.returncode == 2
     assert message in out.stderr

@@ -345,7 +345,7 @@ def test_sm90_compile_gdn_replay_kernel(dtype, state_only):
     tensors = f"q:*{dtype} k:*{dtype} v:*{dtype} a:*{dtype} b:*{dtype} A_log:*fp32 dt_bias:*fp32"
     output = {"o": None} if state_only else {}
     signature = tensors + ("" if state_only else f" o:*{dtype}") + " ht:*fp32 cu_seqlens:*i32 slots:*i64 " \
-        "stride_q:i64 stride_k:i64 stride_v:i64 stride_a:i64 stride_b:i64 stride_ht:i64 scale:fp32"
+        "stride_q:i64 stride_k:i64 stride_v:i64 stride_a:i64 stride_b:i64 stride_ht:i64 scale:fp32 beta_scale:fp32"
     _compile_for_sm90(kernels.gdn.gdn_replay_fwd_kernel, signature, **output, H=16, HV=32, K=128, V=128, BT=16,
                       BK=128, BV=32, STORE_OUTPUT=not state_only, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
 
@@ -408,3 +408,32 @@ def test_naive_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H, 
     ref_o, ref_conv, ref_ssm = kernels.naive_replay_gdn_layer(*inputs, cu_whole, HV, V, K)
     assert rel_err(o, ref_o[_tail_tokens(prefix_lens, tail_lens)]) < 1e-12
     assert torch.equal(conv, ref_conv) and rel_err(ssm, ref_ssm) < 1e-12
+
+
+# ---- OLMo-Hybrid's negative eigenvalues: beta = 2 sigmoid(b), in (0, 2) ----
+
+def _check_beta_scale_2(gdn_replay, device):
+    lengths = [5, 40, 100]
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(lengths, 2, 4, 32, 32)
+    b = b + 2  # sigmoid(b) mostly above 1/2, so beta mostly above 1
+    cu, slots = _tails(lengths, device)
+    init = _initial_states("anchor", len(lengths), 4, 32, 32)
+    pool = _slot_pool(_nan_pool(4, 32, 32, device=device), slots, init)
+    o = gdn_replay([x.to(device) for x in (q, k, v, a, b, A_log, dt_bias)], cu, slots, pool)
+    ref_o, ref_states = kernels.naive_gdn_replay(*_f64(q, k, v, a, b, A_log, dt_bias), cu.cpu(),
+                                                 initial_states=_f64_or_none(init), beta_scale=2.0)
+    ref_sigmoid_only, _ = kernels.naive_gdn_replay(*_f64(q, k, v, a, b, A_log, dt_bias), cu.cpu(),
+                                                   initial_states=_f64_or_none(init))
+    assert rel_err(o.cpu(), ref_o) < TOL and rel_err(pool[slots].cpu(), ref_states) < TOL
+    assert rel_err(o.cpu(), ref_sigmoid_only) > 1e-2  # the scale is not silently dropped
+
+
+@triton_runs_here
+def test_triton_gdn_replay_beta_scale_2_matches_recurrence():
+    _check_beta_scale_2(lambda x, cu, slots, pool: kernels.gdn_replay_fwd(*x, cu, slots, pool, beta_scale=2.0),
+                        DEVICE)
+
+
+def test_torch_gdn_replay_beta_scale_2_matches_recurrence():
+    _check_beta_scale_2(lambda x, cu, slots, pool: kernels.gdn_replay_torch(
+        *x, cu, initial_states=pool, initial_state_indices=slots, beta_scale=2.0)[0], "cpu")

@@ -110,3 +110,42 @@ def test_refuses_to_overwrite_a_directory_that_is_not_a_build(tmp_path):
         build_model("tiny-qwen35", out)
     assert (out / "notes.txt").read_text() == "keep me"
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # no staging directory left behind
+
+
+def test_sglang_reads_olmo_hybrid_through_our_config_class(tmp_path):
+    """After the plugin's registration SGLang's `get_config` returns our subclass of transformers' config, with the
+    layer ids and mamba cache shapes SGLang's hybrid code asks for, and the linear-attention registry finds it."""
+    from sglang.srt.configs.linear_attn_model_registry import get_linear_attn_config
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    from tailreplay_sglang import models
+    from tailreplay_sglang.models.olmo_hybrid_config import OlmoHybridSGLangConfig
+
+    models.register()
+    config = get_config(str(build_model("tiny-olmo-hybrid", tmp_path / "olmo")), trust_remote_code=False)
+    assert isinstance(config, OlmoHybridSGLangConfig) and config.architectures == ["OlmoHybridForCausalLM"]
+    assert config.full_attention_layer_ids == [3, 7] and config.linear_layer_ids == [0, 1, 2, 4, 5, 6]
+    assert config.linear_allow_neg_eigval
+    spec, _ = get_linear_attn_config(config)
+    assert spec.backend_class_name.endswith("OlmoHybridGDNAttnBackend")
+
+
+def test_olmo_hybrid_checkpoint_names_map_onto_our_parameters():
+    """OLMo-core names (as saved) -> ours: renamed norms, merged projections, the three conv parts."""
+    from tailreplay_sglang.models.olmo_hybrid import _RENAMES, _stacked_target
+
+    def ours(name):
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return _stacked_target(name) or name
+
+    layer = "model.layers.0."
+    assert ours(layer + "attention_layer_norm.weight") == layer + "input_layernorm.weight"
+    assert ours(layer + "feedforward_layer_norm.weight") == layer + "post_attention_layernorm.weight"
+    assert ours(layer + "post_feedforward_layernorm.weight") == layer + "post_feedforward_layernorm.weight"
+    assert ours(layer + "linear_attn.b_proj.weight") == (layer + "linear_attn.ab_proj.weight", 1)
+    assert ours(layer + "linear_attn.v_conv1d.weight") == (layer + "linear_attn.conv1d.weight", 2)
+    assert ours(layer + "self_attn.k_proj.weight") == (layer + "self_attn.qkv_proj.weight", "k")
+    assert ours(layer + "linear_attn.k_proj.weight") == (layer + "linear_attn.qkv_proj.weight", 1)
+    assert ours(layer + "linear_attn.g_proj.weight") == layer + "linear_attn.g_proj.weight"
+    assert ours(layer + "mlp.up_proj.weight") == (layer + "mlp.gate_up_proj.weight", 1)

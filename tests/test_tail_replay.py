@@ -5,14 +5,12 @@ matched prefix, so a hit must reproduce the no-cache computation (HF transformer
 and its prompt logprobs within float32 tolerance. That pins capture, layout, replay and the hand-off to the extend.
 """
 
-import concurrent.futures
-
 import pytest
 import requests
 from transformers import AutoTokenizer
 
 from conftest import generate as shared_generate
-from conftest import EXACT_FLAGS, run_forked_program, start_server
+from conftest import EXACT_FLAGS, check_concurrent_hits, check_multi_turn, run_forked_program, start_server
 from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 from tailreplay_sglang.eval.server import flush_cache
 
@@ -82,13 +80,7 @@ def test_multi_turn_follow_up_matches_through_the_previous_answer(server, hf):
     """Decode-time capture: the second turn's prompt contains turn one's generated tokens."""
     model, tok = hf
     flush(server)
-    turn1 = tok(SYSTEM + " first question?").input_ids
-    answer = generate(server, turn1)["output_ids"]
-    turn2 = turn1 + answer + tok(" and a follow-up question?").input_ids
-    out = generate(server, turn2)
-    # the last generated token has no KV yet when the request finishes
-    assert out["meta_info"]["cached_tokens"] >= len(turn1) + len(answer) - 1
-    assert out["output_ids"] == greedy_generate(model, turn2, NEW)
+    check_multi_turn(server, model, tok, SYSTEM + " first question?", NEW)
 
 
 def test_prompt_logprobs_on_a_hit_match_no_cache(server, hf):
@@ -111,12 +103,7 @@ def test_concurrent_hits_on_one_prefix_are_independent(server, hf):
     flush(server)
     system = tok(SYSTEM).input_ids
     generate(server, system, max_new_tokens=1)
-    prompts = [system + tok(" question" * (i + 1)).input_ids for i in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda p: generate(server, p), prompts))
-    for ids, out in zip(prompts, outs):
-        assert out["meta_info"]["cached_tokens"] >= len(system)
-        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+    check_concurrent_hits(server, model, tok, system, NEW)
 
 
 def test_server_keeps_serving_after_flush_and_many_hits(server, hf):

@@ -12,11 +12,15 @@ import torch.nn.functional as F
 CHUNK_SIZE = 64
 
 
-def gdn_gating(A_log, a, b, dt_bias, softplus_beta: float = 1.0, softplus_threshold: float = 20.0):
-    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); both float32 of shape `[1, T, HV]`."""
+def gdn_gating(A_log, a, b, dt_bias, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+               beta_scale: float = 1.0):
+    """g = -exp(A_log) * softplus(a + dt_bias), beta = beta_scale * sigmoid(b); both float32 of shape `[1, T, HV]`.
+
+    beta_scale 2 is OLMo-Hybrid's `linear_allow_neg_eigval`: beta in (0, 2), so I - beta k k^T may have a negative
+    eigenvalue (still non-expansive for unit k)."""
     x = a.float() + dt_bias.float()
     g = -A_log.float().exp() * F.softplus(x, beta=softplus_beta, threshold=softplus_threshold)
-    beta = b.float().sigmoid()
+    beta = b.float().sigmoid() * beta_scale
     return g.unsqueeze(0), beta.unsqueeze(0)
 
 
@@ -174,7 +178,7 @@ def _write_state(pool, indices, i: int, state: torch.Tensor) -> None:
 def recurrent_gated_delta_rule_update(
     A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens=None,
     use_qk_l2norm_in_kernel: bool = False, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
-    scale: float | None = None,
+    scale: float | None = None, beta_scale: float = 1.0,
 ):
     """Decode: gating fused with the token-by-token delta rule, states updated in place in the pool.
 
@@ -184,7 +188,7 @@ def recurrent_gated_delta_rule_update(
     """
     HV, K = v.shape[2], k.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    g, beta = gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
+    g, beta = gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold, beta_scale)
     qf, kf = q[0].float(), k[0].float()
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm(qf), l2norm(kf)

@@ -1,4 +1,4 @@
-"""Build small random-weight Qwen3.5 / Qwen3-Next checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
+"""Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
 
     python -m tailreplay_sglang.eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
@@ -83,18 +83,21 @@ class Preset:
     partial_rotary_factor: float = PARTIAL_ROTARY_FACTOR
 
 
+# The test models' sizes (under a million parameters), shared by every family's tiny preset.
+TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_head_dim=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=32768, dtype="float32")
+
 PRESETS: dict[str, Preset] = {
     "tiny-qwen35": Preset(
-        model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, dtype="float32",
+        model_type="qwen3_5_text", **TINY,
     ),
     "tiny-qwen3next": Preset(
-        model_type="qwen3_next", num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, dtype="float32",
+        model_type="qwen3_next", **TINY,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "tiny-qwen35-moe": Preset(
+        model_type="qwen3_5_moe_text", **TINY,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # The quality-evaluation model (`tailreplay_sglang.eval.training`): trained on RULER-style tasks, ~2M parameters.
@@ -105,8 +108,19 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=32768, dtype="float32", task_words=True, rope_theta=10_000.0,
         partial_rotary_factor=1.0,
     ),
+    # OLMo-Hybrid (transformers' olmo_hybrid; served by tailreplay_sglang.models): same sizes as tiny-qwen35.
+    "tiny-olmo-hybrid": Preset(
+        model_type="olmo_hybrid", **TINY,
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=65536, dtype="bfloat16",
+    ),
+    # Benchmark-size OLMo-Hybrid, the sizes of "small" (head_dim is hidden / heads there, as OLMo-Hybrid derives it).
+    "small-olmo-hybrid": Preset(
+        model_type="olmo_hybrid", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
         num_attention_heads=4, num_key_value_heads=2, head_dim=128,
         max_position_embeddings=65536, dtype="bfloat16",
@@ -174,7 +188,37 @@ def layer_types(num_hidden_layers: int) -> list[str]:
     ]
 
 
+def olmo_hybrid_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' OlmoHybridConfig, which has no head_dim (it is hidden / heads) and rotates whole heads."""
+    if preset.head_dim * preset.num_attention_heads != preset.hidden_size:
+        raise ValueError("OLMo-Hybrid derives head_dim as hidden_size / num_attention_heads")
+    return AutoConfig.for_model(
+        preset.model_type,
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        layer_types=layer_types(preset.num_hidden_layers),
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        linear_num_key_heads=preset.linear_num_key_heads,
+        linear_num_value_heads=preset.linear_num_value_heads,
+        linear_key_head_dim=preset.linear_head_dim,
+        linear_value_head_dim=preset.linear_head_dim,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,  # beta in (0, 2): transformers' default, and the path that differs from Qwen
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    if preset.model_type == "olmo_hybrid":
+        return olmo_hybrid_config(preset, tokenizer)
     moe_fields = {}
     if preset.moe is not None:
         # decoder_sparse_step=1 and no mlp_only_layers: every layer is MoE, which is all SGLang's Qwen3-Next supports.
@@ -236,11 +280,23 @@ def _init_gdn_gates(model: PreTrainedModel) -> None:
             module.A_log.zero_()
 
 
+@torch.no_grad()
+def _vary_norm_weights(model: PreTrainedModel) -> None:
+    """Norm weights drawn around 1 instead of all ones, so that an implementation applying one norm in another's
+    place (OLMo-Hybrid has four kinds per layer pair: pre, post-attention, post-feedforward, q/k, gated) gives
+    different outputs instead of the same ones."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(1.0, 0.2)
+
+
 def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedModel:
     """HF's own init (normal std 0.02) drawn in float32 from `seed`, so every dtype rounds the same weights."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_gdn_gates(model)
+    if config.model_type == "olmo_hybrid":
+        _vary_norm_weights(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 

@@ -103,13 +103,16 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up"
                                    f"{self._log_tail()}")
             try:
-                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                if self._ready():
                     return self
             except requests.RequestException:
                 pass
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout:.0f} s{self._log_tail()}")
+
+    def _ready(self) -> bool:
+        return requests.get(f"{self.base_url}/health", timeout=5).status_code == 200
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group, then SIGKILL whatever is left."""
@@ -181,3 +184,8 @@ class RouterProcess(ServerProcess):
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
                 "--worker-urls", *self.worker_urls, "--policy", self.policy, *self.extra_args]
+
+    def _ready(self) -> bool:
+        # /health answers before the workers are registered (a request then gets 503): wait until all are healthy
+        r = requests.get(f"{self.base_url}/readiness", timeout=5)
+        return r.status_code == 200 and r.json().get("healthy_workers") == len(self.worker_urls)

@@ -31,15 +31,16 @@ BLOCK_V = 32
 
 
 @triton.jit
-def _gates(p_a, p_b, mask, b_neg_A, b_dt_bias):
-    """g = -exp(A_log) * softplus(a + dt_bias) (softplus threshold 20, as SGLang), beta = sigmoid(b); 0 if masked.
+def _gates(p_a, p_b, mask, b_neg_A, b_dt_bias, beta_scale):
+    """g = -exp(A_log) * softplus(a + dt_bias) (softplus threshold 20, as SGLang), beta = beta_scale * sigmoid(b)
+    (beta_scale 2: OLMo-Hybrid's negative eigenvalues); 0 if masked.
 
     NOTE: builtins only: tl.sigmoid is itself a jit function, and each jit call costs the interpreter about 0.5 ms.
     """
     b_x = tl.load(p_a, mask=mask, other=0.).to(tl.float32) + b_dt_bias
     b_softplus = tl.where(b_x <= 20., tl.log(1. + tl.exp(tl.minimum(b_x, 20.))), b_x)
     b_g = tl.where(mask, b_neg_A * b_softplus, 0.)
-    b_beta = tl.where(mask, 1. / (1. + tl.exp(-tl.load(p_b, mask=mask, other=0.).to(tl.float32))), 0.)
+    b_beta = tl.where(mask, beta_scale / (1. + tl.exp(-tl.load(p_b, mask=mask, other=0.).to(tl.float32))), 0.)
     return b_g, b_beta
 
 
@@ -68,7 +69,7 @@ def _unit_lower_inverse(b_A, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 def gdn_replay_fwd_kernel(
     q, k, v, a, b, A_log, dt_bias, o, ht, cu_seqlens, slots,
     stride_q, stride_k, stride_v, stride_a, stride_b, stride_ht,
-    scale,
+    scale, beta_scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -100,7 +101,7 @@ def gdn_replay_fwd_kernel(
         b_k = _load_l2norm(k + o_tok[:, None] * stride_k + i_h * K + o_k[None, :], m_tk)
         p_v = v + o_tok[:, None] * stride_v + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_g, b_beta = _gates(a + o_tok * stride_a + i_hv, b + o_tok * stride_b + i_hv, m_t, b_neg_A, b_dt_bias)
+        b_g, b_beta = _gates(a + o_tok * stride_a + i_hv, b + o_tok * stride_b + i_hv, m_t, b_neg_A, b_dt_bias, beta_scale)
         # padded tokens have g = beta = 0 and k = 0: they leave the state and the cumulative decay alone
         b_gc = tl.cumsum(b_g, 0)
         b_gl = tl.sum(tl.where(o_t == BT - 1, b_gc, 0.))
@@ -129,7 +130,7 @@ def gdn_replay_fwd_kernel(
 
 def gdn_replay_fwd(
     q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states,
-    scale: float | None = None, state_only: bool = False, chunk_size: int = CHUNK_SIZE,
+    scale: float | None = None, state_only: bool = False, chunk_size: int = CHUNK_SIZE, beta_scale: float = 1.0,
 ):
     """GDN over a packed batch of tails, each from the state in its mamba slot; final states replace them.
 
@@ -137,7 +138,7 @@ def gdn_replay_fwd(
     stride works (views of the conv output), heads and dims must be contiguous. q and k are l2-normalised in the
     kernel and q is scaled by `scale` (default K**-0.5).
     a, b: [T, HV] raw gate inputs (token stride free); A_log, dt_bias: [HV]: g = -exp(A_log) softplus(a + dt_bias),
-    beta = sigmoid(b).
+    beta = beta_scale * sigmoid(b).
     cu_seqlens: [N + 1] tail boundaries; slots: [N] distinct mamba slot of each tail.
     ssm_states: [num_slots, HV, V, K] pool (value-major, SGLang's layout): tail i starts from slot slots[i] (zeros
     after SGLang cleared it, or a copied anchor state; read in float32) and the slot gets its final state, cast to the
@@ -157,7 +158,7 @@ def gdn_replay_fwd(
         cu_seqlens=cu_seqlens, slots=slots,
         stride_q=q.stride(0), stride_k=k.stride(0), stride_v=v.stride(0), stride_a=a.stride(0),
         stride_b=b.stride(0), stride_ht=ssm_states.stride(0),
-        scale=K**-0.5 if scale is None else scale,
+        scale=K**-0.5 if scale is None else scale, beta_scale=float(beta_scale),
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)), BV=BV,
         # fp32 inputs ask for fp32 dots (TF32 would cost the float32 tolerance); bf16 runs on tensor cores
         DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
@@ -165,21 +166,22 @@ def gdn_replay_fwd(
     return o
 
 
-def naive_gdn_gating(A_log, a, b, dt_bias):
+def naive_gdn_gating(A_log, a, b, dt_bias, beta_scale: float = 1.0):
     """Reference gating, in the inputs' dtype. a, b: [T, HV]; A_log, dt_bias: [HV]. Returns g, beta: [T, HV]."""
     x = a + dt_bias
     softplus = torch.where(x <= 20, torch.log1p(torch.exp(x.clamp(max=20))), x)
-    return -A_log.exp() * softplus, torch.sigmoid(b)
+    return -A_log.exp() * softplus, beta_scale * torch.sigmoid(b)
 
 
-def naive_gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, scale=None, initial_states=None):
+def naive_gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, scale=None, initial_states=None,
+                     beta_scale: float = 1.0):
     """Token-by-token reference of `gdn_replay_fwd` in the inputs' dtype (tests use float64).
 
     Shapes as in `gdn_replay_fwd`; initial_states: [N, HV, V, K] state each tail starts from (None: zeros).
     Returns (o [T, HV, V], final states [N, HV, V, K]).
     """
     HV = v.shape[1]
-    g, beta = naive_gdn_gating(A_log, a, b, dt_bias)
+    g, beta = naive_gdn_gating(A_log, a, b, dt_bias, beta_scale)
     q, k = (x.repeat_interleave(HV // x.shape[1], dim=1) for x in (q, k))
     o, states = torch.empty_like(v), []
     bounds = cu_seqlens.tolist()

@@ -30,7 +30,7 @@ def split_qkv(mixed_qkv, HV: int, V: int, K: int):
 
 def replay_gdn_layer(
     mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states,
-    state_only: bool = False, max_seqlen: int | None = None,
+    state_only: bool = False, max_seqlen: int | None = None, beta_scale: float = 1.0,
 ):
     """Replay one GDN layer over a packed batch of tails, each from its slot's states; the new states replace them.
 
@@ -43,25 +43,27 @@ def replay_gdn_layer(
     recurrent: S), zeros after SGLang cleared it or a copied anchor state, and the slot then gets the tail's conv
     state (last width - 1 inputs of context + tail) and final recurrent state; no other slot is read or written.
     max_seqlen: longest tail, known to the planner; saves the Triton path a device sync (read when None).
+    beta_scale: beta = beta_scale * sigmoid(b); 2 for OLMo-Hybrid's `linear_allow_neg_eigval`, 1 otherwise.
     Returns o: [T, HV, V] in mixed_qkv's dtype (before the gated norm), or None when `state_only`.
     """
     args = (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states)
     if mixed_qkv.is_cuda:
-        return replay_gdn_layer_triton(*args, state_only=state_only, max_seqlen=max_seqlen)
-    return replay_gdn_layer_torch(*args, state_only=state_only)
+        return replay_gdn_layer_triton(*args, state_only=state_only, max_seqlen=max_seqlen, beta_scale=beta_scale)
+    return replay_gdn_layer_torch(*args, state_only=state_only, beta_scale=beta_scale)
 
 
 def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
-                            ssm_states, state_only=False, max_seqlen=None):
+                            ssm_states, state_only=False, max_seqlen=None, beta_scale=1.0):
     """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it); each
     kernel reads the slots' states itself."""
     y = replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen)
     q, k, v = split_qkv(y, *ssm_states.shape[1:])
-    return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only)
+    return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only,
+                          beta_scale=beta_scale)
 
 
 def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
-                           ssm_states, state_only=False):
+                           ssm_states, state_only=False, beta_scale=1.0):
     """`replay_gdn_layer` on the torch ops of tailreplay_sglang.cpu (the CPU path); same arguments."""
     # both ops read each tail's slot before writing it: the conv its left context (every tail has one, zeros or an
     # anchor's), chunk_gated_delta_rule its initial state, with the final state written back into the pool
@@ -69,12 +71,12 @@ def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bi
     y = cpu_conv.causal_conv1d_fwd(mixed_qkv.T, conv_weight, conv_bias, conv_states, cu_seqlens, slots, from_slot,
                                    "silu")
     q, k, v = split_qkv(y.T, *ssm_states.shape[1:])
-    o, _ = gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only, ssm_states, slots)
+    o, _ = gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only, ssm_states, slots, beta_scale)
     return o
 
 
 def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False, initial_states=None,
-                     initial_state_indices=None):
+                     initial_state_indices=None, beta_scale=1.0):
     """Chunked torch GDN replay (shapes as `gdn_replay_fwd`), each tail from an initial state.
 
     initial_states: None (every tail from zero), [N, HV, V, K] (tail i from initial_states[i]), or with
@@ -82,7 +84,7 @@ def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False
     `chunk_gated_delta_rule`, the tensor read is updated in place with the final states.
     Returns (o [T, HV, V] in v's dtype or None when `state_only`, final states [N, HV, V, K] float32).
     """
-    g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias)
+    g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias, beta_scale=beta_scale)
     o, final = cpu_gdn.chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, initial_states, cu_seqlens,
                                               initial_state_indices, use_qk_l2norm_in_kernel=True,
                                               state_only=state_only)
@@ -90,7 +92,7 @@ def gdn_replay_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_only=False
 
 
 def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, HV, V, K,
-                           conv_initial=None, ssm_initial=None):
+                           conv_initial=None, ssm_initial=None, beta_scale=1.0):
     """Reference of `replay_gdn_layer` in the inputs' dtype (tests use float64).
 
     conv_initial: [N, conv_dim, width - 1] and ssm_initial: [N, HV, V, K], the states each tail starts from, as its
@@ -99,5 +101,5 @@ def naive_replay_gdn_layer(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bi
     """
     y, conv_final = naive_replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, conv_initial)
     o, ssm_final = naive_gdn_replay(*split_qkv(y, HV, V, K), a, b, A_log, dt_bias, cu_seqlens,
-                                    initial_states=ssm_initial)
+                                    initial_states=ssm_initial, beta_scale=beta_scale)
     return o, conv_final, ssm_final
