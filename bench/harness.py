@@ -80,7 +80,8 @@ class Run:
 
 
 @contextlib.contextmanager
-def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path, console, **server_kwargs):
+def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path, console,
+                    envs: dict[str, dict] | None = None, **server_kwargs):
     """Start one server per config at once, wait until all are healthy, and stop all (by PID) however we leave.
 
     Start-up is mostly process spawning and imports (docs/cpu.md), so starting them together saves minutes; only
@@ -93,7 +94,8 @@ def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path,
     try:
         for i, (label, flags) in enumerate(configs.items()):
             log = log_stem.with_suffix(f".server{i}.log")
-            servers[label] = ServerProcess(str(model_path), tuple(flags), log_path=log, **server_kwargs)
+            env = {**server_kwargs.pop("env", {}), **(envs or {}).get(label, {})}  # per-server env (core pinning)
+            servers[label] = ServerProcess(str(model_path), tuple(flags), log_path=log, env=env, **server_kwargs)
             servers[label].start()
         for label, server in servers.items():
             server.wait_healthy(timeout=900)

@@ -3,7 +3,8 @@
     python bench/router.py [--preset small] [--clients 4] [--requests 4] [--system-words 1200] \
         [--gen-tokens 16] [--out runs/router.json]
 
-Four servers start together (two Tail-Replay workers, two stock workers; `CPU_FLAGS` plus `--server-args`) and four
+Four servers start together (two Tail-Replay workers, two stock workers; `CPU_FLAGS` plus `--server-args`; worker 0
+of each kind pinned to core 0 and worker 1 to core 1 with `SGLANG_CPU_OMP_THREADS_BIND`) and four
 routers (`python -m sglang_router.launch_router`, pinned in requirements/) in front of them: {Tail-Replay, stock}
 workers x {cache_aware, round_robin}. Each shape runs through each router in turn, from flushed caches, with
 `--clients` clients at once, each with its own prefix (so prefixes differ between clients):
@@ -134,7 +135,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(run.model_path)
     configs = {f"{kind}{i}": flags + tuple(run.server_args) for kind, flags in WORKERS.items() for i in range(2)}
     results = {shape: {} for shape in SHAPES}
-    with harness.running_servers(run.model_path, configs, run.out, console, max_total_tokens=32768) as servers:
+    # Worker i on core i: two busy servers sharing both cores thrash each other's OpenMP spin barriers (round-robin
+    # keeps both busy at once), which would charge the policy with that, not with its routing.
+    pinned = {label: {"SGLANG_CPU_OMP_THREADS_BIND": label[-1]} for label in configs}
+    with harness.running_servers(run.model_path, configs, run.out, console, envs=pinned,
+                                 max_total_tokens=32768) as servers:
         for kind in WORKERS:
             urls = [servers[f"{kind}{i}"].base_url for i in range(2)]
             for policy in POLICIES:
