@@ -15,6 +15,17 @@ alive after `shutdown()`.
 
 import json
 import sys
+import time
+
+
+def flush(engine, timeout: float = 30.0) -> None:
+    """`Engine.flush_cache()`, retried: SGLang refuses a flush while a finished request is still in its running batch
+    (it leaves on the scheduler's next step, after its output went out), and says so only in the result."""
+    deadline = time.monotonic() + timeout
+    while not getattr(engine.flush_cache(), "success", True):
+        if time.monotonic() > deadline:
+            raise RuntimeError("Engine.flush_cache() kept being refused")
+        time.sleep(0.2)
 
 
 def summary(out: dict) -> dict:
@@ -22,13 +33,13 @@ def summary(out: dict) -> dict:
 
 
 def run_batch(engine, spec: dict, params: dict) -> list[dict]:
-    engine.flush_cache()
+    flush(engine)
     first = engine.generate(input_ids=spec["first"], sampling_params=params)
     return [summary(first), *map(summary, engine.generate(input_ids=spec["batch"], sampling_params=params))]
 
 
 def run_conversation(engine, spec: dict, params: dict) -> list[dict]:
-    engine.flush_cache()
+    flush(engine)
     ids, outs = list(spec["start"]), []
     for turn, new in enumerate(spec["turns"]):
         ids = ids + new
