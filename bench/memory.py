@@ -244,7 +244,8 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
     served = serving_dtype(config, flags)
     kv = kv_dtype(config, flags)
-    kv_per_token = n_fa * 2 * config["num_key_value_heads"] * config["head_dim"] * kv.itemsize
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
+    kv_per_token = n_fa * 2 * config["num_key_value_heads"] * head_dim * kv.itemsize
     # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also when
     # the flags are a stock server's.
     cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
