@@ -125,13 +125,23 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
     except TailReplayConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    cfg.to_env()  # scheduler processes are spawned with this environment
-    if cfg.enabled:
-        from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
-
-        args.radix_cache_backend = RADIX_CACHE_BACKEND
-        logger.info("Tail-Replay enabled: %s", cfg)
+    backend = hand_off(cfg)
+    if backend is not None:
+        args.radix_cache_backend = backend
     return original(cls, args, *rest, **kwargs)
+
+
+def hand_off(cfg: TailReplayConfig) -> str | None:
+    """Give a validated config to the scheduler processes (spawned with this environment; written also when
+    disabled, so a stock server after a Tail-Replay one in the same process stays stock). Returns the radix cache
+    backend SGLang must be given, or None when Tail-Replay is off."""
+    cfg.to_env()
+    if not cfg.enabled:
+        return None
+    from tailreplay_sglang.cache import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
+
+    logger.info("Tail-Replay enabled: %s", cfg)
+    return RADIX_CACHE_BACKEND
 
 
 def register() -> None:

@@ -32,19 +32,16 @@ def take_keywords(kwargs: dict, positional: tuple = ()) -> dict:
     Raises `TailReplayConfigError` (a ValueError) naming the flag, before anything is started. With a prebuilt
     `server_args=`, the keywords are checked against it and its radix cache backend is set to ours.
     """
-    from tailreplay_sglang.plugin import KEYWORDS, config_from_args
+    from tailreplay_sglang.plugin import KEYWORDS, config_from_args, hand_off
 
     ours = {k: kwargs.pop(k) for k in KEYWORDS if k in kwargs}
     server_args = kwargs.get("server_args")
-    config = config_from_args(_ArgsView(ours, server_args if server_args is not None else kwargs, positional))
-    config.to_env()  # always: a stock Engine after a Tail-Replay one in the same process must stay stock
-    if config.enabled:
-        from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
-
-        if server_args is None:
-            kwargs["radix_cache_backend"] = RADIX_CACHE_BACKEND
-        else:
-            _set_backend(server_args, RADIX_CACHE_BACKEND)
+    backend = hand_off(config_from_args(_ArgsView(ours, server_args if server_args is not None else kwargs,
+                                                  positional)))
+    if backend is not None and server_args is None:
+        kwargs["radix_cache_backend"] = backend
+    elif backend is not None:
+        _set_backend(server_args, backend)
     return kwargs
 
 

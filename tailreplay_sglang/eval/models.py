@@ -188,12 +188,9 @@ def layer_types(num_hidden_layers: int) -> list[str]:
     ]
 
 
-def olmo_hybrid_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
-    """transformers' OlmoHybridConfig, which has no head_dim (it is hidden / heads) and rotates whole heads."""
-    if preset.head_dim * preset.num_attention_heads != preset.hidden_size:
-        raise ValueError("OLMo-Hybrid derives head_dim as hidden_size / num_attention_heads")
-    return AutoConfig.for_model(
-        preset.model_type,
+def _common_fields(preset: Preset, tokenizer: Tokenizer) -> dict:
+    """What every preset's config spells the same way, whatever its model type."""
+    return dict(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -206,13 +203,23 @@ def olmo_hybrid_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig
         linear_key_head_dim=preset.linear_head_dim,
         linear_value_head_dim=preset.linear_head_dim,
         linear_conv_kernel_dim=4,
-        linear_allow_neg_eigval=True,  # beta in (0, 2): transformers' default, and the path that differs from Qwen
         max_position_embeddings=preset.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.token_to_id(IM_END),
         pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
+def olmo_hybrid_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' OlmoHybridConfig, which has no head_dim (it is hidden / heads) and rotates whole heads."""
+    if preset.head_dim * preset.num_attention_heads != preset.hidden_size:
+        raise ValueError("OLMo-Hybrid derives head_dim as hidden_size / num_attention_heads")
+    return AutoConfig.for_model(
+        preset.model_type,
+        **_common_fields(preset, tokenizer),
+        linear_allow_neg_eigval=True,  # beta in (0, 2): transformers' default, and the path that differs from Qwen
+        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
     )
 
 
@@ -225,30 +232,14 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         moe_fields = dict(asdict(preset.moe), decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     config = AutoConfig.for_model(
         preset.model_type,
-        vocab_size=preset.vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        layer_types=layer_types(preset.num_hidden_layers),
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
+        **_common_fields(preset, tokenizer),
         head_dim=preset.head_dim,
-        linear_num_key_heads=preset.linear_num_key_heads,
-        linear_num_value_heads=preset.linear_num_value_heads,
-        linear_key_head_dim=preset.linear_head_dim,
-        linear_value_head_dim=preset.linear_head_dim,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=preset.max_position_embeddings,
         # No mrope_section: text-only checkpoints then get plain 1-D RoPE in SGLang, which is what HF's
         # (always interleaved-mrope) rotary embedding reduces to when all three position rows are equal.
         rope_parameters={
             "rope_type": "default", "rope_theta": preset.rope_theta,
             "partial_rotary_factor": preset.partial_rotary_factor,
         },
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.token_to_id(IM_END),
-        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
         **moe_fields,
     )
     # Keys transformers 5 no longer writes but SGLang's configs read. SGLang derives its layer pattern from
