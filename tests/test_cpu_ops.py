@@ -334,3 +334,13 @@ def test_causal_conv1d_fwd_checkpoints_hold_the_inputs_before_each_offset():
     for offset, dst in checkpoints[2]:
         assert torch.equal(states[dst], stream[:, offset:offset + width - 1])
     assert torch.equal(states[2], x[:, -(width - 1):])
+
+
+def test_thread_bind_strings_parse_like_linux_cpulists():
+    from tailreplay_sglang.cpu.threads import parse_cpu_list
+
+    assert parse_cpu_list("0") == [0]
+    assert parse_cpu_list("0-3,8") == [0, 1, 2, 3, 8]
+    assert parse_cpu_list("2,0-1") == [0, 1, 2]
+    with pytest.raises(ValueError, match="SGLANG_CPU_OMP_THREADS_BIND"):
+        parse_cpu_list("")

@@ -4,6 +4,7 @@ Two ranks on these two cores need `SGLANG_CPU_OMP_THREADS_BIND` (one core each):
 allows no more ranks than NUMA nodes (one here).
 """
 
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -88,3 +89,14 @@ def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf):
         assert meta["cached_tokens"] >= len(ids) - 10 and meta["tail_replay_exact"], meta
         assert meta["tail_replay_anchor"] is not None and meta["tail_replay_tokens"] < 64
         assert out["output_ids"] == greedy_generate(model, fork if rank == 0 else ids, NEW)
+
+
+@pytest.mark.parametrize("fixture", ["tp_server", "dp_server"])
+def test_each_rank_runs_on_its_own_core(fixture, request):
+    """SGLang applies `SGLANG_CPU_OMP_THREADS_BIND` only through an AMX kernel; the CPU plugin applies it with torch
+    (cpu/threads.py). Unbound, two ranks on two cores run four spinning OpenMP threads and prefill ~10x slower."""
+    server = request.getfixturevalue(fixture)
+    schedulers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                  if "scheduler" in p.name()]
+    assert sorted(tuple(p.cpu_affinity()) for p in schedulers) == [(0,), (1,)]
+    assert all(f"rank bound to CPUs [{cpu}], 1 torch threads" in server.log_path.read_text() for cpu in (0, 1))

@@ -5,6 +5,9 @@ SGLang 0.5.23 sends to Triton kernels unless the CPU has AMX (Triton has no CPU 
 - `fused_norm_gate.FusedRMSNormGated.forward` (Qwen3-Next GDN output norm),
 - `elementwise.fused_gate_sigmoid_mul_add` (Qwen-MoE shared-expert gate).
 
+It binds each rank's OpenMP threads to the cores SGLang resolved for it (`threads.py`): SGLang applies them only
+through an AMX kernel.
+
 It also replaces the `torch_native` backend's extend attention with one that computes only the new tokens' queries
 (`extend_attention.py`): SGLang's recomputes every prefix position on every extend, so each cache hit paid a full
 prefill's attention.
@@ -14,7 +17,7 @@ Registered only on CPU without AMX, so GPU and AMX CPU runs keep SGLang's own ke
 
 import logging
 
-from tailreplay_sglang.cpu import extend_attention, fused
+from tailreplay_sglang.cpu import extend_attention, fused, threads
 
 logger = logging.getLogger(__name__)
 
@@ -54,4 +57,6 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
         extend_attention.sdpa_forward_extend, HookType.AROUND)
+    HookRegistry.register("sglang.srt.distributed.bootstrap._init_cpu_threads_env", threads.bind_rank_threads,
+                          HookType.REPLACE)
     logger.info("tailreplay_sglang: torch paths for %d Triton-only CPU branches", len(torch_paths()))
