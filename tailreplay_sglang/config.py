@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 ENV_VAR = "TAILREPLAY_CONFIG"
 MODES = ("ratio", "full", "zero")
-HIDDEN_DTYPES = ("auto", "bfloat16", "float32")
+HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a float32 scale per token (hidden_codec)
 GDN_CHUNK = 64  # the chunk of the GDN prefill kernels: interval anchors are taken at chunk boundaries
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")

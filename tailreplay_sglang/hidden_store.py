@@ -10,12 +10,16 @@ Two tiers (`--tail-replay-hidden-tier`):
   asynchronously (`transfer.DeviceToHostWriteBack`), and a hit fetches only its tail, host -> device, through
   `transfer.HostToDevice` (serialized or overlapped with the replay). Where host is the device (CPU), the same code
   runs with synchronous copies.
+
+Rows are kept as `hidden_codec` encodes them (a float dtype, or float8 with a scale per token): reads return the
+encoded rows, and the replay decodes them on the device (`decode`).
 """
 
 import logging
 
 import torch
 
+from tailreplay_sglang.hidden_codec import codec_for
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice, pin
 
@@ -27,7 +31,7 @@ TOKENS = "tokens"  # fetch key of the tail's token ids (group 0's input); stored
 
 
 def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
-    return layout.bytes_per_token(dtype.itemsize) + TOKEN_ID_BYTES
+    return len(layout.stored_groups) * codec_for(dtype).row_bytes(layout.hidden_size) + TOKEN_ID_BYTES
 
 
 class HiddenStore:
@@ -36,8 +40,10 @@ class HiddenStore:
             raise ValueError(f"hidden store tier must be one of {TIERS}, got {tier!r}")
         self.layout, self.tier, self.device = layout, tier, torch.device(device)
         self._row = {g.first_layer: i for i, g in enumerate(layout.stored_groups)}
+        self.codec = codec_for(dtype)
         where = self.device if tier == "device" else torch.device("cpu")
-        self.hiddens = torch.zeros(len(self._row), num_slots, layout.hidden_size, dtype=dtype, device=where)
+        self.hiddens = torch.zeros(len(self._row), num_slots, self.codec.row_width(layout.hidden_size),
+                                   dtype=self.codec.storage_dtype, device=where)
         self.token_ids = torch.zeros(num_slots, dtype=torch.int64, device=where)
         if tier == "host":
             self.hiddens, self.token_ids = pin(self.hiddens), pin(self.token_ids)
@@ -63,7 +69,7 @@ class HiddenStore:
         self._write(self.token_ids, slots, token_ids.to(torch.int64))
 
     def write_hidden(self, first_layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.hiddens[self._row[first_layer]], slots, values.to(self.hiddens.dtype))
+        self._write(self.hiddens[self._row[first_layer]], slots, self.codec.encode(values))
 
     def _write(self, target: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self.write_back is None:
@@ -77,7 +83,11 @@ class HiddenStore:
         return self._read(self.token_ids, slots)
 
     def read_hidden(self, first_layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The encoded rows (what travels to the device); `decode` turns them into values."""
         return self._read(self.hiddens[self._row[first_layer]], slots)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.codec.decode(rows, dtype)
 
     def _read(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.write_back is None:

@@ -87,7 +87,7 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
         if key == TOKENS:  # group 0: fed by the embeddings of the tail tokens
             x = model.embed_tokens(inputs[key])
         else:
-            x = inputs[key].to(dtype)
+            x = store.decode(inputs[key], dtype)
         for i, layer_id in enumerate(group.gdn_layers):
             last = i == len(group.gdn_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)

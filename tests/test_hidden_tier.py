@@ -37,7 +37,7 @@ def _fill(store: HiddenStore, seed: int) -> None:
 
 
 @pytest.mark.parametrize("h2d_mode", ["ser", "ovl"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_host_tier_returns_exactly_what_the_device_tier_does(h2d_mode, dtype):
     stores = {tier: HiddenStore(LAYOUT, 64, dtype, DEVICE, tier) for tier in ("device", "host")}
     for store in stores.values():
@@ -164,3 +164,21 @@ def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, t
     cell = integration.add_store_to_cell_size(lambda *args: 1000, None, kvc, 8)
     store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.float32)  # auto: the model dtype
     assert cell == 1000 + (store if extra else 0)
+
+
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 3e3])
+def test_float8_rows_decode_within_e4m3_rounding_of_what_was_written(magnitude):
+    """float8 hiddens: e4m3 keeps 3 mantissa bits, so each value comes back within 2^-4 of itself (plus the subnormal
+    step of its row's scale); one scale per token keeps a small row as precise as a large one beside it."""
+    from tailreplay_sglang.hidden_store import bytes_per_token
+
+    store = HiddenStore(LAYOUT, 8, torch.float8_e4m3fn, DEVICE, "device")
+    assert store.hiddens.dtype == torch.uint8 and bytes_per_token(LAYOUT, torch.float8_e4m3fn) == 2 * (16 + 4) + 8
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 16, generator=g, dtype=torch.float64) * torch.tensor([[magnitude], [1.0], [1e-3]])
+    slots = torch.tensor([1, 2, 3], device=DEVICE)
+    store.write_hidden(4, slots, values.float().to(DEVICE))
+    got = store.decode(store.read_hidden(4, slots), torch.float32).cpu().double()
+    step = values.abs().amax(-1, keepdim=True) / 448 * 2 ** -9  # e4m3's smallest subnormal, scaled
+    assert ((got - values).abs() <= values.abs() / 16 + step).all()
+    assert (got - values).abs().max() > 0  # it is lossy: the test would pass vacuously on a float32 store
