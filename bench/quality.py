@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from tailreplay_sglang.eval.models import build_model  # noqa: E402
 from harness import ROOT  # noqa: E402
+from tailreplay_sglang.config import GDN_CHUNK, HIDDEN_DTYPES  # noqa: E402
 from tailreplay_sglang.eval import tasks  # noqa: E402
 
 DEFAULT_MODES = ("cache_off", "r0.05", "anchored", "anchored_n512", "anchored_n1024", "full")
@@ -102,7 +103,6 @@ LONGBENCH_MAX_NEW = 128  # LongBench's answer budget for its QA sets (narrativeq
 # second where the first's ids would be a prefix of the sample's question: then B's match would end where A ended).
 OTHER_QUESTIONS = (tasks.ask("What is the text above about?"), tasks.ask("Summarize the text above in one sentence."))
 OTHER_ANSWER_TOKENS = 8
-GDN_CHUNK = 64  # anchor intervals are multiples of the GDN prefill chunk (tailreplay_sglang/config.py)
 TR = "--enable-tail-replay"
 PAPER = ("--tail-replay-exact-budget", "0")  # anchors off: the paper's pure zero-init tail
 METHOD = ("Per sample and protocol: /flush_cache; context_first: the context's ids with max_new_tokens=1, then "
@@ -120,8 +120,16 @@ def mode_flags(mode: str) -> tuple[str, ...]:
 
     cache_off: stock, no radix cache. The paper's modes, anchors off (--tail-replay-exact-budget 0): zero, full,
     r<ratio> (ratio in (0, 1]). The plugin's anchored replay: anchored (its defaults), anchored_n<N> (anchor interval
-    N, a multiple of 64, 0: request and chunk ends only; default exact budget).
+    N, a multiple of 64, 0: request and chunk ends only; default exact budget). Any Tail-Replay mode may end in
+    @<hidden dtype> (e.g. full@float8_e4m3fn): its server stores the hiddens in that dtype.
     """
+    base, at, dtype = mode.partition("@")
+    if at:
+        flags = mode_flags(base)
+        if TR not in flags or dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"mode {mode!r}: @<hidden dtype> needs a Tail-Replay mode and one of "
+                             f"{', '.join(HIDDEN_DTYPES)}")
+        return *flags, "--tail-replay-hidden-dtype", dtype
     fixed = {"cache_off": ("--disable-radix-cache",), "zero": (TR, "--tail-replay-mode", "zero", *PAPER),
              "full": (TR, "--tail-replay-mode", "full", *PAPER), "anchored": (TR,)}
     if mode in fixed:

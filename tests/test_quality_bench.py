@@ -216,7 +216,10 @@ def test_mode_names_and_scorers():
     assert quality.mode_flags("anchored_n1024") == ("--enable-tail-replay", "--tail-replay-anchor-interval", "1024")
     assert quality.mode_flags("anchored_n0")[-1] == "0"
     assert quality.DEFAULT_MODES == ("cache_off", "r0.05", "anchored", "anchored_n512", "anchored_n1024", "full")
-    for bad in ("r0", "r1.5", "ratio", "off", "anchored_n100", "anchored_n", "anchored_512"):
+    assert quality.mode_flags("full@float8_e4m3fn") == (*quality.mode_flags("full"), "--tail-replay-hidden-dtype",
+                                                        "float8_e4m3fn")
+    for bad in ("r0", "r1.5", "ratio", "off", "anchored_n100", "anchored_n", "anchored_512", "cache_off@float32",
+                "full@int8", "full@"):
         with pytest.raises(ValueError):
             quality.mode_flags(bad)
     cfg = quality.parse_config(["--model", "m", "--out", "o"])
