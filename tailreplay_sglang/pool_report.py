@@ -38,6 +38,7 @@ def pool_report(scheduler, store, pending) -> dict:
         "req_rows_free": len(rows.free_slots),
         "hidden_store_slots": 0 if store is None else int(store.token_ids.numel()),
         "hidden_tier": None if store is None else store.tier,
+        "hidden_dtype": None if store is None else str(store.codec.dtype),
         "hidden_store_device_bytes": 0 if store is None else store.device_nbytes,
         "pending_write_backs": 0 if store is None else store.pending_write_backs(),
         "pending_replays": len(pending),
