@@ -1,10 +1,10 @@
 """Tail-Replay under load at equal device memory, through SGLang's own `python -m sglang.bench_serving`.
 
-    python bench/load.py [--preset small] [--budget-mib 128] [--tight-budget-mib 32] [--rates 1 2 4] \
+    python bench/load.py [--preset small] [--budget-mib 128] [--tight-budget-mib 24] [--rates 1 2 4] \
         [--groups 3] [--prompts-per-group 8] [--system-len 1024] [--question-len 64] [--output-len 16] \
         [--out runs/load.json]
 
-Systems: stock, Tail-Replay with its hidden store on the device (`--tail-replay-hidden-tier device`) and in host
+Systems (all three servers up at once, interleaved run by run): stock, Tail-Replay with its hidden store on the device (`--tail-replay-hidden-tier device`) and in host
 memory (`host`). Equal memory: every server gets the same device-memory budget for its token pool, and its
 `--max-total-tokens` is that budget over the bytes per token its pool charges to the device (FA KV; plus the stored
 hiddens on the device tier; `bench/memory.py`'s accounting). So a device-tier server holds fewer tokens than stock;
@@ -80,11 +80,12 @@ def counters(base_url: str) -> dict[str, float]:
 
 
 def bench_serving(server, model_path: Path, workload: str, rate: float, args, out: Path) -> dict:
-    """One bench_serving run from a flushed cache; its JSON record plus the server's counters over the run."""
+    """One bench_serving run from a flushed cache (after one warm-up request, so that a fresh server's first forward
+    is not timed); its JSON record plus the server's counters over the run."""
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--base-url", server.base_url, "--model", str(model_path),
            "--tokenizer", str(model_path), *dataset_args(workload, args), "--request-rate", str(rate),
-           "--seed", str(args.seed), "--flush-cache", "--warmup-requests", "0", "--cache-report", "--output-file",
+           "--seed", str(args.seed), "--warmup-requests", "1", "--flush-cache", "--cache-report", "--output-file",
            str(out), "--output-details", "--disable-tqdm"]
     before = counters(server.base_url)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -146,11 +147,24 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def measure(server, run, pool, mib, workload, name, flags, tokens, rate, args, console) -> dict:
+    started = time.perf_counter()
+    record = bench_serving(server, run.model_path, workload, rate, args, run.out.with_suffix(".bench_serving.jsonl"))
+    row = {"pool": pool, "budget_mib": mib, "workload": workload, "system": name, "flags": list(flags),
+           "max_total_tokens": tokens, "rate": rate, "summary": summary(record), "bench_serving": record,
+           "wall_s": time.perf_counter() - started}
+    s = row["summary"]
+    console.print(f"  {pool} / {workload} / {name} @ {rate:g}/s: {s['requests_per_s']:.2f} req/s, TTFT p50 "
+                  f"{s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, cached {s['cached_tokens']} of "
+                  f"{s['prompt_tokens']}, evicted {s['evicted_tokens']:.0f}")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap, "load.json")
     ap.add_argument("--budget-mib", type=float, default=128, help="device memory for each server's token pool")
-    ap.add_argument("--tight-budget-mib", type=float, default=32, help="a pool smaller than the working set (0: skip)")
+    ap.add_argument("--tight-budget-mib", type=float, default=24, help="a pool smaller than the working set (0: skip)")
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="requests/s (Poisson)")
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--prompts-per-group", type=int, default=8)
@@ -169,25 +183,17 @@ def main() -> None:
         tokens = {name: int(mib * 2**20 // device_bytes_per_token(run.model_path, run.server_args, flags))
                   for name, flags in SYSTEMS.items()}
         console.print(f"[bold]{pool} pool: {mib:g} MiB of device memory[/] -> max total tokens {tokens}")
-        for name, flags in SYSTEMS.items():  # one server at a time: the others would share the cores
-            configs = {name: (*SERVER_FLAGS, *flags, *run.server_args)}
-            log_stem = run.out.with_suffix(f".{pool}.{name.replace(' ', '_')}")
-            with harness.running_servers(run.model_path, configs, log_stem, console,
-                                         max_total_tokens=tokens[name], max_running_requests=16) as servers:
-                for workload in workloads:
-                    for rate in args.rates:
-                        started = time.perf_counter()
-                        record = bench_serving(servers[name], run.model_path, workload, rate, args,
-                                               run.out.with_suffix(".bench_serving.jsonl"))
-                        row = {"pool": pool, "budget_mib": mib, "workload": workload, "system": name,
-                               "flags": list(configs[name]), "max_total_tokens": tokens[name], "rate": rate,
-                               "summary": summary(record), "bench_serving": record,
-                               "wall_s": time.perf_counter() - started}
-                        rows.append(row)
-                        s = row["summary"]
-                        console.print(f"  {pool} / {workload} / {name} @ {rate:g}/s: {s['requests_per_s']:.2f} req/s, "
-                                      f"TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, cached "
-                                      f"{s['cached_tokens']} of {s['prompt_tokens']}, evicted {s['evicted_tokens']:.0f}")
+        # All three servers up at once (idle ones sleep: --sleep-on-idle), and the systems interleaved per run, so
+        # that a drift of the machine's speed over the run is charged to every system alike.
+        configs = {name: (*SERVER_FLAGS, *flags, *run.server_args, "--max-total-tokens", str(tokens[name]))
+                   for name, flags in SYSTEMS.items()}
+        with harness.running_servers(run.model_path, configs, run.out.with_name(f"{run.out.stem}.{pool}.json"),
+                                     console, max_running_requests=16) as servers:
+            for workload in workloads:
+                for rate in args.rates:
+                    for name in SYSTEMS:
+                        rows.append(measure(servers[name], run, pool, mib, workload, name, configs[name],
+                                            tokens[name], rate, args, console))
     console.print(table(rows))
     plot(rows, run.out.with_suffix(".png"))
     record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine_before": run.machine_before,

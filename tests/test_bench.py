@@ -1,16 +1,19 @@
-"""Smoke test of the benchmarks at a tiny size: bench/ttft.py and bench/workloads.py run against two real tiny
+"""Smoke test of the benchmarks at a tiny size: bench/ttft.py, bench/workloads.py and bench/load.py's
+bench_serving runs against two real tiny
 servers (stock and Tail-Replay, started once with the benchmarks' own harness and passed by --url), write JSON of
 the expected structure, and Tail-Replay's hits cover exactly what was matchable."""
 
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import harness  # noqa: E402
+import load  # noqa: E402
 import memory  # noqa: E402
 import ttft  # noqa: E402
 import workloads  # noqa: E402
@@ -281,6 +284,34 @@ def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, t
         assert stock["requests"] == tr["requests"] and stock["matchable"] == tr["matchable"], shape
         assert all(r["ttft_s"] > 0 for r in tr["records"] + stock["records"])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen35, tmp_path):
+    """bench/load.py's unit of work, SGLang's own bench_serving from a flushed cache, against the stock and
+    Tail-Replay servers: the shared-prefix dataset hits only on Tail-Replay (stock keeps no state where a system
+    prompt ends), the server's replay counter moves, and the multi-turn chat set runs through the chat backend."""
+    servers = {label: SimpleNamespace(base_url=url) for label, url in (u.split("=", 1) for u in urls[1::2])}
+    args = SimpleNamespace(groups=1, prompts_per_group=4, system_len=128, question_len=16, output_len=4, seed=0)
+    runs = {label: load.summary(load.bench_serving(server, tiny_qwen35, "shared prefix", 8.0, args,
+                                                   tmp_path / f"{i}.jsonl"))
+            for i, (label, server) in enumerate(servers.items())}
+    stock, tr = runs["stock"], runs[TR]
+    for r in (stock, tr):
+        assert r["completed"] == 4 and r["failed"] == 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert r["prompt_tokens"] > 4 * 128
+    assert stock["cached_tokens"] == 0 and stock["replayed_tokens"] == 0
+    assert tr["cached_tokens"] >= 3 * 120 and tr["replayed_tokens"] > 0  # 3 hits on the shared system prompt
+    chat = load.summary(load.bench_serving(servers[TR], tiny_qwen35, "multi-turn", 8.0, args, tmp_path / "c.jsonl"))
+    assert chat["completed"] == 2 * 3 and chat["failed"] == 0 and chat["cached_tokens"] > 0
+
+
+def test_load_equal_memory_charges_the_device_tier_store():
+    """Equal device memory: the device-tier store is charged to each token, the host tier's is not."""
+    cost = {name: load.device_bytes_per_token("small", ["--dtype", "float32"], flags)
+            for name, flags in load.SYSTEMS.items()}
+    kv, hidden = (memory.account("small", ["--dtype", "float32"])[k]
+                  for k in ("fa_kv_bytes_per_token", "tail_replay_hidden_bytes_per_token"))
+    assert cost == {"stock": kv, "Tail-Replay device": kv + hidden, "Tail-Replay host": kv}
 
 
 # ---- bench/memory.py: computed from configs, no server ----
