@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import harness  # noqa: E402
 import load  # noqa: E402
 import memory  # noqa: E402
+import profile_load  # noqa: E402
 import ttft  # noqa: E402
 import workloads  # noqa: E402
 
@@ -312,6 +313,21 @@ def test_load_equal_memory_charges_the_device_tier_store():
     kv, hidden = (memory.account("small", ["--dtype", "float32"])[k]
                   for k in ("fa_kv_bytes_per_token", "tail_replay_hidden_bytes_per_token"))
     assert cost == {"stock": kv, "Tail-Replay device": kv + hidden, "Tail-Replay host": kv}
+
+
+def test_profile_attributes_samples_to_the_innermost_plugin_module():
+    """bench/profile_load.py's attribution of py-spy stacks: the innermost plugin frame decides; the CPU ops that
+    stock runs too (tailreplay_sglang/cpu/) and SGLang's own frames count for nobody."""
+    root = "/work/x/tailreplay_sglang"
+    stacks = "\n".join([
+        f"run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
+        f"_write ({root}/hidden_store.py:76) 3",
+        f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/cpu/gdn.py:130) 90",
+        f"run (sglang/scheduler.py:1);run ({root}/replay.py:88);scan ({root}/cpu/gdn.py:149) 5",
+        "run (sglang/scheduler.py:1) 2"])
+    total, per_module = profile_load.attribute(stacks)
+    assert total == 100
+    assert per_module == {"tailreplay_sglang/hidden_store.py": 3, "tailreplay_sglang/replay.py": 5}
 
 
 # ---- bench/memory.py: computed from configs, no server ----
