@@ -26,7 +26,8 @@ TR = "Tail-Replay r=0.05"
 
 @pytest.fixture(scope="module")
 def urls(tiny_qwen35, tmp_path_factory):
-    configs = {"stock": ("--dtype", "float32"), TR: ("--dtype", "float32", "--enable-tail-replay")}
+    configs = {"stock": ("--dtype", "float32", "--enable-metrics"),
+               TR: ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")}
     log_stem = tmp_path_factory.mktemp("bench") / "bench"
     with harness.running_servers(tiny_qwen35, configs, log_stem, Console(), max_total_tokens=8192,
                                  context_length=4096) as procs:
@@ -291,7 +292,8 @@ def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen
     """bench/load.py's unit of work, SGLang's own bench_serving from a flushed cache, against the stock and
     Tail-Replay servers: the shared-prefix dataset hits only on Tail-Replay (stock keeps no state where a system
     prompt ends), the server's replay counter moves, and the multi-turn chat set runs through the chat backend."""
-    servers = {label: SimpleNamespace(base_url=url) for label, url in (u.split("=", 1) for u in urls[1::2])}
+    servers = {label: SimpleNamespace(base_url="http" + url) for label, _, url in (u.partition("=http")
+                                                                                  for u in urls[1::2])}
     args = SimpleNamespace(groups=1, prompts_per_group=4, system_len=128, question_len=16, output_len=4, seed=0)
     runs = {label: load.summary(load.bench_serving(server, tiny_qwen35, "shared prefix", 8.0, args,
                                                    tmp_path / f"{i}.jsonl"))
