@@ -69,7 +69,6 @@ def main() -> None:
     stacks = run.out.with_suffix(".stacks.txt")
     with ServerProcess(str(run.model_path), flags, log_path=run.out.with_suffix(".server.log"),
                        max_total_tokens=32768, max_running_requests=16) as server:
-        server.wait_healthy()
         sampler = subprocess.Popen([spy, "record", "--pid", str(scheduler_pid(server)), "--rate", "100", "--format",
                                     "raw", "--output", str(stacks), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
