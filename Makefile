@@ -1,7 +1,7 @@
-# The two commands a newcomer needs (see README.md). Both build .venv first (idempotent).
+# The two commands a newcomer needs (see README.md), plus test-fast. All build .venv first (idempotent).
 PY := .venv/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 setup:
 	scripts/setup_cpu.sh
 
@@ -10,3 +10,6 @@ demo: setup  ## real SGLang server on the small hybrid model + a shared-prefix w
 
 test: setup  ## the test suite (starts real SGLang servers on loopback)
 	$(PY) -m pytest -q
+
+test-fast: setup  ## the tests that start no SGLang server, router, Engine or launcher (-m "not server")
+	$(PY) -m pytest -q -m "not server"

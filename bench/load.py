@@ -28,23 +28,18 @@ during the run. Writes a JSON (every bench_serving record), a table and a PNG of
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import requests
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from memory import account  # noqa: E402
+from tailreplay_eval import bench_serving, harness
+from tailreplay_eval.memory import account
 
 SYSTEMS = {"stock": (), "Tail-Replay device": ("--enable-tail-replay", "--tail-replay-hidden-tier", "device"),
            "Tail-Replay host": ("--enable-tail-replay", "--tail-replay-hidden-tier", "host")}
-WORKLOADS = ("shared prefix", "multi-turn", "no reuse")
-COUNTERS = {"evicted": "sglang:evicted_tokens_total", "replayed": "sglang:tail_replay_tokens_total"}
 SERVER_FLAGS = ("--enable-metrics", "--enable-cache-report")
 
 
@@ -52,61 +47,6 @@ def device_bytes_per_token(model_path: Path, server_args: list[str], system_flag
     acc = account(model_path, [*server_args, *system_flags])
     on_device = "--enable-tail-replay" in system_flags and "host" not in system_flags
     return acc["fa_kv_bytes_per_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)
-
-
-def dataset_args(workload: str, args) -> list[str]:
-    if workload == "no reuse":
-        n = args.groups * args.prompts_per_group
-        return ["--backend", "sglang", "--dataset-name", "random-ids", "--num-prompts", str(n),
-                "--random-input-len", str(args.system_len + args.question_len), "--random-output-len",
-                str(args.output_len), "--random-range-ratio", "1"]
-    turns = 3 if workload == "multi-turn" else 1
-    per_group = args.prompts_per_group if turns == 1 else max(1, args.prompts_per_group // 2)
-    return ["--backend", "sglang" if turns == 1 else "sglang-oai-chat", "--dataset-name", "generated-shared-prefix",
-            "--gsp-num-groups", str(args.groups), "--gsp-prompts-per-group", str(per_group),
-            "--gsp-system-prompt-len", str(args.system_len), "--gsp-question-len", str(args.question_len),
-            "--gsp-output-len", str(args.output_len), "--gsp-num-turns", str(turns),
-            "--num-prompts", str(args.groups * per_group)]
-
-
-def counters(base_url: str) -> dict[str, float]:
-    text = requests.get(f"{base_url}/metrics", timeout=30).text
-    totals = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        for key, name in COUNTERS.items():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                totals[key] += float(line.rsplit(" ", 1)[1])
-    return totals
-
-
-def bench_serving(server, model_path: Path, workload: str, rate: float, args, out: Path) -> dict:
-    """One bench_serving run from a flushed cache (after one warm-up request, so that a fresh server's first forward
-    is not timed); its JSON record plus the server's counters over the run."""
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--base-url", server.base_url, "--model", str(model_path),
-           "--tokenizer", str(model_path), *dataset_args(workload, args), "--request-rate", str(rate),
-           "--seed", str(args.seed), "--warmup-requests", "1", "--flush-cache", "--cache-report", "--output-file",
-           str(out), "--output-details", "--disable-tqdm"]
-    before = counters(server.base_url)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench_serving failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    after = counters(server.base_url)
-    record = json.loads(out.read_text().splitlines()[-1])
-    record["server_counters"] = {k: after[k] - before[k] for k in COUNTERS}
-    return record
-
-
-def summary(record: dict) -> dict:
-    cache = record.get("cache_report") or {}
-    errors = [e for e in record.get("errors", []) if e]
-    return {"completed": record["completed"], "failed": len(errors), "duration_s": record["duration"],
-            "requests_per_s": record["request_throughput"], "input_tokens_per_s": record["input_throughput"],
-            "output_tokens_per_s": record["output_throughput"],
-            "ttft_p50_s": record["median_ttft_ms"] / 1e3, "ttft_p99_s": record["p99_ttft_ms"] / 1e3,
-            "prompt_tokens": cache.get("total_prompt_tokens"), "cached_tokens": cache.get("total_cached_tokens"),
-            "evicted_tokens": record["server_counters"]["evicted"],
-            "replayed_tokens": record["server_counters"]["replayed"]}
 
 
 def table(rows: list[dict]) -> Table:
@@ -130,7 +70,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["pool"], r["workload"]) for r in rows}, key=lambda p: (p[0] != "fits", WORKLOADS.index(p[1])))
+    panels = sorted({(r["pool"], r["workload"]) for r in rows},
+                    key=lambda p: (p[0] != "fits", bench_serving.WORKLOADS.index(p[1])))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
     for ax, (pool, workload) in zip(axes[0], panels):
         for system in SYSTEMS:
@@ -149,9 +90,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def measure(server, run, pool, mib, workload, name, flags, tokens, rate, args, console) -> dict:
     started = time.perf_counter()
-    record = bench_serving(server, run.model_path, workload, rate, args, run.out.with_suffix(".bench_serving.jsonl"))
+    record = bench_serving.run(server, run.model_path, workload, rate, args,
+                               run.out.with_suffix(".bench_serving.jsonl"))
     row = {"pool": pool, "budget_mib": mib, "workload": workload, "system": name, "flags": list(flags),
-           "max_total_tokens": tokens, "rate": rate, "summary": summary(record), "bench_serving": record,
+           "max_total_tokens": tokens, "rate": rate, "summary": bench_serving.summary(record),
+           "bench_serving": record,
            "wall_s": time.perf_counter() - started}
     s = row["summary"]
     console.print(f"  {pool} / {workload} / {name} @ {rate:g}/s: {s['requests_per_s']:.2f} req/s, TTFT p50 "
@@ -171,7 +114,8 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=1024)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", choices=bench_serving.WORKLOADS,
+                    default=list(bench_serving.WORKLOADS))
     args = ap.parse_args()
     run = harness.Run.begin(args)
     console = Console(width=170)

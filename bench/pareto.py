@@ -25,15 +25,13 @@ Writes the PNG (--out), the points as JSON (--json, default: --out with .json) a
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import memory  # noqa: E402
-from tailreplay_sglang.config import TailReplayConfig  # noqa: E402
+from tailreplay_eval import memory
+from tailreplay_sglang.config import TailReplayConfig
 
 REFERENCE = "cache_off"
 KINDS = ("paper", "anchored", "full")

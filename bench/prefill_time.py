@@ -9,7 +9,6 @@ latency, which on a one-token request is the prefill plus scheduling and HTTP.
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -17,10 +16,10 @@ import requests
 from rich.console import Console
 from rich.table import Table
 
+from tailreplay_eval.models import PRESETS, build_model
+from tailreplay_eval.server import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tailreplay_sglang.eval.models import PRESETS, build_model  # noqa: E402
-from tailreplay_sglang.eval.server import ServerProcess  # noqa: E402
 
 
 def main(argv=None):

@@ -6,9 +6,9 @@
         [--prompts 24] [--rate inf] [--out runs/profile_load.json]
 
 The scheduler is sampled (py-spy, 100 Hz, Python frames) while bench_serving sends the workload (bench/load.py's
-datasets). A sample counts for a plugin module when a frame of that module is on its stack (the innermost one
-decides); `tailreplay_sglang/cpu/` is not counted, since stock SGLang on this CPU runs the same ops. Prints the
-share of samples per module and writes them with the bench_serving record.
+datasets, tailreplay_eval/bench_serving.py). A sample counts for a plugin module when a frame of that module is on
+its stack (the innermost one decides); `tailreplay_sglang/cpu/` and `ops/` are not counted, since stock SGLang on this CPU runs
+the same ops. Prints the share of samples per module and writes them with the bench_serving record.
 """
 
 import argparse
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import load  # noqa: E402
-from tailreplay_sglang.eval.server import ServerProcess  # noqa: E402
+from tailreplay_eval import bench_serving, harness
+from tailreplay_eval.server import ServerProcess
 
 PLUGIN = "tailreplay_sglang/"
+# The CPU fallback and the torch ops it serves as sgl-kernel: stock SGLang on this CPU runs them too
+STOCK_ON_CPU = (f"{PLUGIN}cpu/", f"{PLUGIN}ops/")
 
 
 def attribute(stacks: str) -> tuple[int, collections.Counter]:
@@ -40,7 +40,7 @@ def attribute(stacks: str) -> tuple[int, collections.Counter]:
         if not stack:
             continue
         total += int(count)
-        ours = [f for f in stack.split(";") if PLUGIN in f and f"{PLUGIN}cpu/" not in f]
+        ours = [f for f in stack.split(";") if PLUGIN in f and not any(part in f for part in STOCK_ON_CPU)]
         if ours:
             path = ours[-1].rsplit("(", 1)[-1].split(":")[0]
             per_module[path[path.index(PLUGIN):]] += int(count)
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap, "profile_load.json")
     ap.add_argument("--flags", default="--enable-tail-replay", help="the profiled server's Tail-Replay flags")
-    ap.add_argument("--workload", choices=load.WORKLOADS, default="no reuse")
+    ap.add_argument("--workload", choices=bench_serving.WORKLOADS, default="no reuse")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--rate", default="inf")
     args = ap.parse_args()
@@ -73,12 +73,12 @@ def main() -> None:
                                     "raw", "--output", str(stacks), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2)  # py-spy attached
-        record = load.bench_serving(server, run.model_path, args.workload, float(args.rate), shape,
-                                    run.out.with_suffix(".bench_serving.jsonl"))
+        record = bench_serving.run(server, run.model_path, args.workload, float(args.rate), shape,
+                                   run.out.with_suffix(".bench_serving.jsonl"))
         sampler.send_signal(2)  # SIGINT: py-spy writes its output and exits
         sampler.wait(120)
     total, per_module = attribute(stacks.read_text())
-    print(f"{total} scheduler samples; plugin modules (outside cpu/): "
+    print(f"{total} scheduler samples; plugin modules (outside cpu/ and ops/): "
           f"{100 * sum(per_module.values()) / max(total, 1):.2f} %")
     for module, n in per_module.most_common():
         print(f"  {100 * n / total:6.2f} %  {module}")
@@ -86,7 +86,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine_before": run.machine_before,
         "flags": list(flags), "workload": args.workload, "samples": total,
         "share_per_module": {m: n / total for m, n in per_module.items()},
-        "summary": load.summary(record)}, indent=1))
+        "summary": bench_serving.summary(record)}, indent=1))
     print(f"wrote {run.out}")
 
 

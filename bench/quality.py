@@ -1,5 +1,5 @@
 """Answer quality of Tail-Replay hits against full prefill, through real SGLang servers: the paper's Table 1 for a
-model of ours, on RULER-style tasks generated locally (tailreplay_sglang/eval/tasks.py) and on local LongBench files,
+model of ours, on RULER-style tasks generated locally (tailreplay_eval/tasks.py) and on local LongBench files,
 under two cache protocols, the plugin's anchored replay next to the paper's pure zero-init tail.
 
     python bench/quality.py [--model PATH] [--tasks ...] [--lengths 2048 4096 8192] [--samples 10] \
@@ -20,7 +20,7 @@ flags of that mode: `mode_flags`):
   end and every 512 prefill tokens; a hit of m tokens whose deepest anchor c has m - c <= max(tail, 512) replays
   [c, m) from a copy of that state (exact), any other hit takes the r=0.05 zero-init tail;
 - anchored_nN: the same with --tail-replay-anchor-interval N (a multiple of 64; 0: request and chunk ends only).
-Interval anchors come from the CPU GDN ops (tailreplay_sglang/anchors.py); on a GPU only request-end and chunk-end
+Interval anchors come from the CPU GDN ops (tailreplay_sglang/cache/anchors.py); on a GPU only request-end and chunk-end
 anchors are kept, so there the anchored modes differ from the paper's only where a match ends at one of those.
 
 Protocols (--protocols), per sample and mode, each after /flush_cache; cache_off sends only the scored request, the
@@ -71,7 +71,6 @@ import math
 import re
 import shlex
 import string
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -83,12 +82,10 @@ from rich.markup import escape
 from rich.table import Table
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from tailreplay_sglang.eval.models import build_model  # noqa: E402
-from harness import ROOT  # noqa: E402
-from tailreplay_sglang.config import GDN_CHUNK, HIDDEN_DTYPES  # noqa: E402
-from tailreplay_sglang.eval import tasks  # noqa: E402
+from tailreplay_eval import harness, tasks
+from tailreplay_eval.harness import ROOT
+from tailreplay_eval.models import build_model
+from tailreplay_sglang.config import GDN_CHUNK, HIDDEN_DTYPES
 
 DEFAULT_MODES = ("cache_off", "r0.05", "anchored", "anchored_n512", "anchored_n1024", "full")
 PROTOCOLS = ("context_first", "new_question")
@@ -111,7 +108,7 @@ METHOD = ("Per sample and protocol: /flush_cache; context_first: the context's i
           "inside the first request, after the shared tokens, where no request ended); cache_off sends only the "
           "scored request. Scored request: greedy, stop at a newline; its cached_tokens, tail_replay_tokens and "
           "tail_replay_exact recorded; exact share = exact among scored requests with cached_tokens > 0. "
-          "RULER-style tasks scored by string match (tailreplay_sglang/eval/tasks.py), LongBench files by token F1. "
+          "RULER-style tasks scored by string match (tailreplay_eval/tasks.py), LongBench files by token F1. "
           "KL(cache_off || mode) of the next-token distribution at the first answer token, from top_logprobs_num.")
 
 

@@ -32,11 +32,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from harness import ROOT  # noqa: E402
-from tailreplay_sglang.eval.models import build_model  # noqa: E402
-from tailreplay_sglang.eval.server import CPU_ENV, CPU_KEYWORDS  # noqa: E402
+from tailreplay_eval import harness
+from tailreplay_eval.harness import ROOT
+from tailreplay_eval.models import build_model
+from tailreplay_eval.server import CPU_ENV, CPU_KEYWORDS
 
 ARMS = {
     "stock": {},

@@ -30,10 +30,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from shared_prefix import document, stream_generate  # noqa: E402
-from tailreplay_sglang.eval.server import RouterProcess, flush_cache  # noqa: E402
+from tailreplay_eval import harness
+from tailreplay_eval.client import document, stream_generate
+from tailreplay_eval.server import RouterProcess, flush_cache
 
 WORKERS = {"Tail-Replay": ("--enable-tail-replay",), "stock": ()}
 POLICIES = ("cache_aware", "round_robin")

@@ -17,16 +17,13 @@ import argparse
 import json
 import random
 import sys
-from pathlib import Path
 
+import requests
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from harness import ROOT  # noqa: E402
-
-import requests  # noqa: E402
+from tailreplay_eval import harness
+from tailreplay_eval.harness import ROOT
 
 SUFFIX = 32
 

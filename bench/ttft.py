@@ -51,7 +51,6 @@ import argparse
 import json
 import random
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +58,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import memory  # noqa: E402
-from harness import ROOT  # noqa: E402,F401
-from tailreplay_sglang import anchors  # noqa: E402
+from tailreplay_eval import client, harness, memory
+from tailreplay_sglang.cache import anchors
 
 # Default budget on the 2-core CPU, small model, float32: full prefill of 2K/4K/8K/16K takes ~2.5/6/15/45 s, so
 # 3 warm-ups + 3 full reps of each length are ~7 min; hits take 0.2-2 s, so 10 reps of each hit arm ~1 min per arm.
@@ -74,7 +70,7 @@ REFERENCE_RATIO = 0.05  # anchored arms are compared with the paper arm at this 
 TARGET_RATIO, TARGET_FROM = 1.3, 8192  # the target: anchored TTFT within 1.3x of paper r0.05 at >= 8K
 CPU_CHUNK = 4096  # SGLang's prefill chunk on CPU (chunked_prefill_size), unless --chunked-prefill-size says
 MAX_RUNNING = 8  # ServerProcess's --max-running-requests: each running request holds a mamba slot
-CPU_MAMBA_SLOTS = 64  # --max-mamba-cache-size of the CPU flags (tailreplay_sglang/eval/server.py)
+CPU_MAMBA_SLOTS = 64  # --max-mamba-cache-size of the CPU flags (tailreplay_eval/server.py)
 TR = "--enable-tail-replay"
 
 
@@ -212,7 +208,7 @@ def paper_reference(arms: list[Arm]) -> Arm | None:
 
 
 def measure(base_url: str, ids: list[int]) -> dict:
-    r = harness.stream_generate(base_url, ids, max_new_tokens=1)
+    r = client.stream_generate(base_url, ids, max_new_tokens=1)
     meta = r["meta_info"]
     return {"prompt_tokens": len(ids), "cached_tokens": meta["cached_tokens"],
             "tail_replay_tokens": meta.get("tail_replay_tokens", 0), "tail_replay_ms": meta.get("tail_replay_ms", 0.0),

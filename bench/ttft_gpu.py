@@ -4,6 +4,9 @@
                              [--warmup 3] [--suffix 64] [--check-length 2048] [--out runs/ttft_gpu.json]
     python bench/ttft_gpu.py --small --device cpu      # tiny model and lengths, for CI (tests/test_ttft_gpu.py)
 
+On a machine where this package is not installed (the GPU machines), run it from the repository root with the root on
+the import path: `PYTHONPATH=. python bench/ttft_gpu.py ...` (or install it first: `pip install -e . --no-deps`).
+
 A Qwen3.5-4B-shaped hybrid with random weights is built from transformers' Qwen3.5 modules (needs torch, triton,
 transformers and, on a GPU, fla-core; no SGLang). For each matched-prefix length m, the prefix is run once, untimed,
 to fill a host cache in pinned memory: each FA layer's K/V, the residual-stream value entering every stored group,
@@ -34,23 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+import torch.nn.functional as F
+
+from tailreplay_eval import models
+from tailreplay_eval.reference import force_torch_gdn
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.kernels.replay import replay_gdn_layer, replay_gdn_layer_triton
+from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.store.transfer import HostToDevice, pin
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a plain checkout (the GPU machines do not install this package)
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from tailreplay_sglang.eval import models  # noqa: E402
-from tailreplay_sglang.config import TailReplayConfig  # noqa: E402
-from tailreplay_sglang.kernels.replay import replay_gdn_layer, replay_gdn_layer_triton  # noqa: E402
-from tailreplay_sglang.layout import HybridLayout  # noqa: E402
-from tailreplay_sglang.eval.reference import force_torch_gdn  # noqa: E402
-from tailreplay_sglang.transfer import HostToDevice, pin  # noqa: E402
 
 # Qwen3.5-4B's text config (Qwen/Qwen3.5-4B, config.json `text_config`): 32 layers, every 4th full attention
 # (8 groups, 7 of them fed by stored hiddens); hidden 2560, FFN 9216, vocab 248320, tied embeddings; FA: 16 query heads,
 # 4 KV heads, head dim 256; GDN: 16 key heads, 32 value heads, head dim 128, conv width 4. Cross-checks within this
-# project: bench/kernels.py uses the same GDN heads; DESIGN.md's 32 KiB of FA KV (8 x K,V x 4 x 256 x 2 B) and
+# project: bench/kernel_bench.py uses the same GDN heads; DESIGN.md's 32 KiB of FA KV (8 x K,V x 4 x 256 x 2 B) and
 # 35 KiB of stored hiddens (7 x 2560 x 2 B) per token in bf16. About 4.2B parameters.
 QWEN35_4B = models.Preset(
     model_type="qwen3_5_text", num_hidden_layers=32, hidden_size=2560, intermediate_size=9216, vocab_size=248320,

@@ -25,7 +25,8 @@ Shapes (token counts at --scale 1; --scale multiplies them all):
 - concurrent on one prefix: a 3000-token prefix sent once, then 8 requests on it at the same time.
 Only the first shape fits bench_serving: it has no dataset for resends, forks, edits or a burst on a warmed prefix,
 and its multi-turn mode (--gsp-num-turns) sends text, so the token ids it sent, and hence matchable tokens, would
-not be known exactly. The others are written here with the same streaming client as bench/shared_prefix.py.
+not be known exactly. The others are written here with the streaming client of bench/shared_prefix.py
+(tailreplay_eval/client.py).
 """
 
 import argparse
@@ -44,11 +45,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import memory  # noqa: E402
-from harness import ROOT  # noqa: E402
-from shared_prefix import chat_ids, document  # noqa: E402
+from tailreplay_eval import harness, memory
+from tailreplay_eval.client import chat_ids, document, stream_generate
 
 CONFIGS = {"Tail-Replay": ("--enable-tail-replay",), "stock": (), "no cache": ("--disable-radix-cache",)}
 QUESTION_LENS = (40, 376, 1296)
@@ -80,7 +78,7 @@ class Ctx:
 def send(server: Server, name: str, ids: list[int], max_new_tokens: int, matchable: int | None = None) -> dict:
     """One streamed request; records matchable (before it is sent), cached and replayed tokens, TTFT."""
     matchable = server.seen.matchable(ids) if matchable is None else matchable
-    r = harness.stream_generate(server.url, ids, max_new_tokens)
+    r = stream_generate(server.url, ids, max_new_tokens)
     server.seen.add(ids, r["output_ids"])
     meta = r["meta_info"]
     return {"request": name, "prompt_tokens": len(ids), "matchable": matchable, "cached": meta["cached_tokens"],

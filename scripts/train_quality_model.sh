@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -m tailreplay_sglang.eval.training --out .train/quality-qwen35-base --work .train/quality-qwen35-r4
-"$PY" -m tailreplay_sglang.eval.training --init-from .train/quality-qwen35-base --out models/quality-qwen35 \
+"$PY" -m tailreplay_eval.training --out .train/quality-qwen35-base --work .train/quality-qwen35-r4
+"$PY" -m tailreplay_eval.training --init-from .train/quality-qwen35-base --out models/quality-qwen35 \
     --work .train/quality-qwen35-r5 --steps 1100 --min-len 512 --max-len 8192 --tokens-per-step 8192 \
     --curriculum-steps 400 --lr 0.001 --warmup 30

@@ -12,7 +12,7 @@ post-norm attention layers that is the FA layer's output, norms included, the sa
 
 from functools import partial
 
-from tailreplay_sglang.hidden_store import HiddenStore
+from tailreplay_sglang.store.hidden_store import HiddenStore
 
 
 def _capture_tokens(store: HiddenStore, module, args):

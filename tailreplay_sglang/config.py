@@ -1,7 +1,9 @@
-"""Tail-Replay configuration: one frozen, validated dataclass built from the server flags.
+"""Tail-Replay configuration: one frozen, validated dataclass built from the server flags, and every environment
+variable the package reads.
 
 The launcher parses the flags (see `plugin.py`) and hands the config to SGLang's scheduler processes through the
-environment (`TAILREPLAY_CONFIG`), since they are spawned, not forked, and never see our argv.
+environment (`TAILREPLAY_CONFIG`), since they are spawned, not forked, and never see our argv. The CPU fallback's
+switches (`cpu_engine_requested`, `cpu_fallback_disabled`) are read here too, so no other module reads the environment.
 """
 
 import json
@@ -10,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 
 ENV_VAR = "TAILREPLAY_CONFIG"
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch to its CPU engine (`is_cpu()` wants "1")
+DISABLE_CPU_FALLBACK_ENV = "TAILREPLAY_DISABLE_CPU_FALLBACK"
 MODES = ("ratio", "full", "zero")
 HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a float32 scale per token (hidden_codec)
 GDN_CHUNK = 64  # the chunk of the GDN prefill kernels: interval anchors are taken at chunk boundaries
@@ -123,3 +127,12 @@ class TailReplayConfig:
     def from_env(cls) -> "TailReplayConfig":
         raw = os.environ.get(ENV_VAR)
         return cls(**json.loads(raw)) if raw else cls()
+
+
+def cpu_engine_requested() -> bool:
+    """SGLang's own switch to its CPU engine, read as `sglang.srt.utils.is_cpu` reads it."""
+    return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
+
+
+def cpu_fallback_disabled() -> bool:
+    return os.environ.get(DISABLE_CPU_FALLBACK_ENV) == "1"

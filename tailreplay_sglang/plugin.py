@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import sys
 
-from tailreplay_sglang import validation, visibility
 from tailreplay_sglang.config import (H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
                                       TailReplayConfigError)
 from tailreplay_sglang.layout import HybridLayout
@@ -84,7 +83,7 @@ def _check_combination(args: argparse.Namespace) -> None:
     for dest, flag in refused.items():
         if getattr(args, dest, None):
             raise TailReplayConfigError(f"--enable-tail-replay does not support {flag} yet")
-    from tailreplay_sglang.cache import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
+    from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
 
     backend = getattr(args, "radix_cache_backend", None)
     if backend not in (None, RADIX_CACHE_BACKEND):
@@ -114,12 +113,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _after_add_cli_args(result, parser, *args, **kwargs):
+def after_add_cli_args(result, parser, *args, **kwargs):
     add_cli_args(parser)
     return result
 
 
-def _around_from_cli_args(original, cls, args, *rest, **kwargs):
+def around_from_cli_args(original, cls, args, *rest, **kwargs):
     try:
         cfg = config_from_args(args)
     except TailReplayConfigError as e:
@@ -138,30 +137,20 @@ def hand_off(cfg: TailReplayConfig) -> str | None:
     cfg.to_env()
     if not cfg.enabled:
         return None
-    from tailreplay_sglang.cache import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
+    from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
 
     logger.info("Tail-Replay enabled: %s", cfg)
     return RADIX_CACHE_BACKEND
 
 
 def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    """Entry point `tailreplay`, run by SGLang's `load_plugins` in the launcher and in every spawned process. The
+    hooks themselves are listed in `hooks.py`."""
+    from tailreplay_sglang import hooks
 
-    from tailreplay_sglang import models
-
-    models.register()  # OLMo-Hybrid, with or without --enable-tail-replay
-
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args,
-                          HookType.AROUND)
-    tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-    HookRegistry.register(f"{tokenizer_manager}._accumulate_request_meta_info", visibility.scalar_meta_info,
-                          HookType.AROUND)
-    # Always on, with or without --enable-tail-replay: a bad token id must not take any server down.
-    HookRegistry.register(f"{tokenizer_manager}._validate_one_request", validation.validate_request_token_ids,
-                          HookType.BEFORE)
+    hooks.register_always()  # the flags, request validation, meta_info, OLMo-Hybrid
     config = TailReplayConfig.from_env()
     if config.enabled:  # in SGLang's scheduler process, spawned after the launcher validated the flags
-        from tailreplay_sglang import integration
+        from tailreplay_sglang.runtime import TailReplayRuntime
 
-        integration.register(config)
+        hooks.register_runtime(TailReplayRuntime.for_scheduler(config))

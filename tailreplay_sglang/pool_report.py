@@ -6,23 +6,17 @@ locked, every mamba slot is free or an anchor held by the tree, every request ro
 pending.
 """
 
-from tailreplay_sglang.state import RuntimeState
-
 KEY = "tail_replay_pools"
 
 
-class EvictionCounter:
-    """Tokens the radix tree has evicted since start-up (AFTER hook on UnifiedRadixCache._evict)."""
-
-    tokens = 0
-
-    @classmethod
-    def count(cls, result, cache, *args, **kwargs):
-        cls.tokens += int(getattr(result, "num_tokens_evicted", 0) or 0)
-        return result
+def count_evicted_tokens(runtime, result, cache, *args, **kwargs):
+    """AFTER hook on UnifiedRadixCache._evict: tokens the radix tree has evicted since start-up."""
+    runtime.count_evicted_tokens(int(getattr(result, "num_tokens_evicted", 0) or 0))
+    return result
 
 
-def pool_report(scheduler, store, pending) -> dict:
+def pool_report(scheduler, runtime) -> dict:
+    store, pending = runtime.store, runtime.pending
     kv = scheduler.token_to_kv_pool_allocator
     rows = scheduler.req_to_token_pool
     tree = scheduler.tree_cache
@@ -42,14 +36,14 @@ def pool_report(scheduler, store, pending) -> dict:
         "hidden_store_device_bytes": 0 if store is None else store.device_nbytes,
         "pending_write_backs": 0 if store is None else store.pending_write_backs(),
         "pending_replays": len(pending),
-        "evicted_tokens": EvictionCounter.tokens,
-        "evicted_anchors": RuntimeState.evicted_anchors,
+        "evicted_tokens": runtime.evicted_tokens,
+        "evicted_anchors": runtime.evicted_anchors,
         "waiting_reqs": len(scheduler.waiting_queue),
         "running_reqs": len(scheduler.running_batch.reqs),
     }
 
 
-def add_to_internal_state(result, controller, *args, **kwargs):
+def add_to_internal_state(runtime, result, controller, *args, **kwargs):
     """AFTER hook on SchedulerInternalStateController.get_internal_state."""
-    result.internal_state[KEY] = pool_report(controller.scheduler, RuntimeState.store, RuntimeState.pending)
+    result.internal_state[KEY] = pool_report(controller.scheduler, runtime)
     return result

@@ -17,6 +17,7 @@ import argparse
 import functools
 import importlib.abc
 import sys
+import warnings
 
 # module defining the entry point -> (class, index of the first ServerArgs positional in its __init__ args)
 ENTRY_POINTS = {
@@ -104,7 +105,7 @@ class _WrapAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        wrap_init(getattr(module, self._class_name))
+        _wrap_or_warn(module, self._class_name)
 
     def __getattr__(self, name):  # get_code, get_source, ... for tools that inspect the loader
         return getattr(self._loader, name)
@@ -133,4 +134,14 @@ def install() -> None:
     for module_name, (class_name, _) in ENTRY_POINTS.items():  # already imported (an install after start-up)
         module = sys.modules.get(module_name)
         if module is not None:
-            wrap_init(getattr(module, class_name))
+            _wrap_or_warn(module, class_name)
+
+
+def _wrap_or_warn(module, class_name: str) -> None:
+    """Wrap the entry point's constructor; if SGLang changed it beyond recognition, leave SGLang's module as it is
+    (the import must never fail because of us) and say that the keywords are unavailable."""
+    try:
+        wrap_init(getattr(module, class_name))
+    except Exception as e:
+        warnings.warn(f"tailreplay_sglang: {module.__name__}.{class_name} does not take the Tail-Replay keywords "
+                      f"({e!r}); the command-line flags are unaffected", RuntimeWarning, stacklevel=2)

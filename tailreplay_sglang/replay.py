@@ -1,7 +1,7 @@
 """The replay pass: rebuild hit requests' GDN states from a tail of their matched prefix, before their extend.
 
-On a hit of m tokens a request's mamba slot holds either a copy of the anchor state kept at depth c (`cache.py`:
-anchored, exact), and it replays [c, m), or a cleared state, and it replays the paper's tail [m - k, m) with
+On a hit of m tokens a request's mamba slot holds either a copy of the anchor state kept at depth c
+(`cache/component.py`: anchored, exact), and it replays [c, m), or a cleared state, and it replays the paper's tail [m - k, m) with
 k = config.tail_len(m) (approximate unless k = m). Every group replays independently from its slot state over those
 tokens: group 0 from the embeddings of the tokens, later groups from the hidden store. Inside a group each GDN
 layer runs input norm -> projections -> conv -> GDN (`kernels.replay.replay_gdn_layer`: Triton on GPU, the torch
@@ -25,11 +25,11 @@ import torch
 
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.cpu.gdn import gdn_gating
-from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
+from tailreplay_sglang.ops.gdn import gdn_gating
+from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
-from tailreplay_sglang.pending import Match, PendingReplays
-from tailreplay_sglang.transfer import HostToDevice
+from tailreplay_sglang.cache.pending import Match, PendingReplays
+from tailreplay_sglang.store.transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 

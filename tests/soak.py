@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import requests
 
 from tailreplay_sglang.pool_report import KEY as POOLS_KEY
-from tailreplay_sglang.eval.server import flush_cache
+from tailreplay_eval.server import flush_cache
 
 OPS = {  # kind: weight
     "fork": 30,  # a base prompt cut at a random point, new suffix

@@ -15,10 +15,9 @@ import random
 import pytest
 import requests
 
-from conftest import generate
-from conftest import start_server
+from helpers import Spec, generate, start_servers
 from soak import pool_leaks, wait_idle
-from tailreplay_sglang.eval.server import flush_cache
+from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -30,21 +29,33 @@ FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL),
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS)
+def servers(tiny_qwen35, tmp_path_factory):
+    """The module's three servers, started together:
+    - anchored: the defaults with interval anchors every INTERVAL tokens;
+    - paper: B = 0, no anchor kept or used, the paper's zero-init tail; same model and prefill chunking;
+    - small_pool: a mamba pool of 12 slots, so anchors compete with running requests and SGLang's mamba LRU evicts
+      them."""
+    yield from start_servers(tmp_path_factory, {
+        "anchored": Spec(tiny_qwen35, FLAGS),
+        "paper": Spec(tiny_qwen35, (*FLAGS, "--tail-replay-exact-budget", "0")),
+        "small_pool": Spec(tiny_qwen35, (*[f for f in FLAGS if f != "--enable-metrics"], "--max-mamba-cache-size",
+                                         "12"), kwargs={"max_running_requests": 4}),
+    })
 
 
 @pytest.fixture(scope="module")
-def paper_server(tiny_qwen35, tmp_path_factory):
-    """B = 0: no anchor kept or used, the paper's zero-init tail; same model and prefill chunking."""
-    yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS, "--tail-replay-exact-budget", "0")
+def server(servers):
+    return servers["anchored"]
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(tiny_qwen35, tmp_path_factory):
-    """A mamba pool of 12 slots: anchors compete with running requests and get evicted by SGLang's mamba LRU."""
-    yield from start_server(tiny_qwen35, tmp_path_factory, *[f for f in FLAGS if f != "--enable-metrics"],
-                            "--max-mamba-cache-size", "12", max_running_requests=4)
+def paper_server(servers):
+    return servers["paper"]
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(servers):
+    return servers["small_pool"]
 
 
 def random_ids(n, seed):

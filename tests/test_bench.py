@@ -4,20 +4,19 @@ servers (stock and Tail-Replay, started once with the benchmarks' own harness an
 the expected structure, and Tail-Replay's hits cover exactly what was matchable."""
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import harness  # noqa: E402
-import load  # noqa: E402
-import memory  # noqa: E402
-import profile_load  # noqa: E402
-import ttft  # noqa: E402
-import workloads  # noqa: E402
+from helpers import load_bench
+from tailreplay_eval import bench_serving, harness, memory
+
+load = load_bench("load")
+profile_load = load_bench("profile_load")
+ttft = load_bench("ttft")
+workloads = load_bench("workloads")
 
 pytestmark = pytest.mark.server
 
@@ -208,7 +207,7 @@ def _quality_json(tmp_path, drop: str | None = None, protocols=("context_first",
 
 
 def test_pareto_points_bytes_quality_and_front(tmp_path):
-    import pareto
+    pareto = load_bench("pareto")
 
     acc = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-hidden-dtype", "float32"])
     paper = acc["fa_kv_bytes_per_token"] + acc["tail_replay_hidden_bytes_per_token"]
@@ -246,7 +245,7 @@ def test_pareto_points_bytes_quality_and_front(tmp_path):
 
 
 def test_pareto_missing_key_is_a_clear_error(tmp_path):
-    import pareto
+    pareto = load_bench("pareto")
 
     with pytest.raises(SystemExit, match=r"mode r0.05: no mean replayed tokens \(tried replayed_mean"):
         pareto.main(["--quality", str(_quality_json(tmp_path, drop="replayed_mean")),
@@ -289,14 +288,15 @@ def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, t
 
 
 def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen35, tmp_path):
-    """bench/load.py's unit of work, SGLang's own bench_serving from a flushed cache, against the stock and
-    Tail-Replay servers: the shared-prefix dataset hits only on Tail-Replay (stock keeps no state where a system
-    prompt ends), the server's replay counter moves, and the multi-turn chat set runs through the chat backend."""
+    """bench/load.py's unit of work (tailreplay_eval/bench_serving.py), SGLang's own bench_serving from a flushed
+    cache, against the stock and Tail-Replay servers: the shared-prefix dataset hits only on Tail-Replay (stock keeps
+    no state where a system prompt ends), the server's replay counter moves, and the multi-turn chat set runs through
+    the chat backend."""
     servers = {label: SimpleNamespace(base_url="http" + url) for label, _, url in (u.partition("=http")
                                                                                   for u in urls[1::2])}
     args = SimpleNamespace(groups=1, prompts_per_group=4, system_len=128, question_len=16, output_len=4, seed=0)
-    runs = {label: load.summary(load.bench_serving(server, tiny_qwen35, "shared prefix", 8.0, args,
-                                                   tmp_path / f"{i}.jsonl"))
+    runs = {label: bench_serving.summary(bench_serving.run(server, tiny_qwen35, "shared prefix", 8.0, args,
+                                                           tmp_path / f"{i}.jsonl"))
             for i, (label, server) in enumerate(servers.items())}
     stock, tr = runs["stock"], runs[TR]
     for r in (stock, tr):
@@ -304,7 +304,8 @@ def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen
         assert r["prompt_tokens"] > 4 * 128
     assert stock["cached_tokens"] == 0 and stock["replayed_tokens"] == 0
     assert tr["cached_tokens"] >= 3 * 120 and tr["replayed_tokens"] > 0  # 3 hits on the shared system prompt
-    chat = load.summary(load.bench_serving(servers[TR], tiny_qwen35, "multi-turn", 8.0, args, tmp_path / "c.jsonl"))
+    chat = bench_serving.summary(bench_serving.run(servers[TR], tiny_qwen35, "multi-turn", 8.0, args,
+                                                   tmp_path / "c.jsonl"))
     assert chat["completed"] == 2 * 3 and chat["failed"] == 0 and chat["cached_tokens"] > 0
 
 
@@ -319,20 +320,21 @@ def test_load_equal_memory_charges_the_device_tier_store():
 
 def test_profile_attributes_samples_to_the_innermost_plugin_module():
     """bench/profile_load.py's attribution of py-spy stacks: the innermost plugin frame decides; the CPU ops that
-    stock runs too (tailreplay_sglang/cpu/) and SGLang's own frames count for nobody."""
+    stock runs too (tailreplay_sglang/cpu/ and ops/) and SGLang's own frames count for nobody."""
     root = "/work/x/tailreplay_sglang"
     stacks = "\n".join([
         f"run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
-        f"_write ({root}/hidden_store.py:76) 3",
-        f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/cpu/gdn.py:130) 90",
-        f"run (sglang/scheduler.py:1);run ({root}/replay.py:88);scan ({root}/cpu/gdn.py:149) 5",
+        f"_write ({root}/store/hidden_store.py:76) 3",
+        f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/ops/gdn.py:130) 80",
+        f"run (sglang/scheduler.py:1);causal_conv1d_fn_cpu ({root}/cpu/sgl_kernel_shim.py:45) 10",
+        f"run (sglang/scheduler.py:1);run ({root}/replay.py:88);scan ({root}/ops/gdn.py:149) 5",
         "run (sglang/scheduler.py:1) 2"])
     total, per_module = profile_load.attribute(stacks)
     assert total == 100
-    assert per_module == {"tailreplay_sglang/hidden_store.py": 3, "tailreplay_sglang/replay.py": 5}
+    assert per_module == {"tailreplay_sglang/store/hidden_store.py": 3, "tailreplay_sglang/replay.py": 5}
 
 
-# ---- bench/memory.py: computed from configs, no server ----
+# ---- bench/memory.py (tailreplay_eval/memory.py): computed from configs, no server ----
 
 def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
     """One mamba slot as SGLang 0.5.23 sizes it (Qwen3NextConfig.mamba2_cache_params at TP 1)."""
@@ -351,7 +353,7 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
     import torch
     from sglang.srt.configs.model_config import _get_and_verify_dtype
 
-    from tailreplay_sglang import hidden_store
+    from tailreplay_sglang.store import hidden_store
     from tailreplay_sglang.layout import HybridLayout
 
     monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
@@ -395,7 +397,7 @@ def test_memory_anchor_intervals_follow_the_server_flags():
 
 def test_memory_all_table_and_json(tmp_path):
     out = tmp_path / "memory.json"
-    accs = memory.main(["--all", "--json", str(out)])
+    accs = load_bench("memory").main(["--all", "--json", str(out)])
     data = json.loads(out.read_text())
     assert [m["model"] for m in data["models"]] == list(memory.ALL_MODELS) == [a["model"] for a in accs]
     assert "by hand" in data["note"]

@@ -65,10 +65,10 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
-from tailreplay_sglang.cache import MATCH_ATTR, TailReplayMambaComponent, create_tail_replay_cache
+from tailreplay_sglang.cache.component import MATCH_ATTR, TailReplayMambaComponent, create_tail_replay_cache
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.pending import Match
-from tailreplay_sglang.state import RuntimeState
+from tailreplay_sglang.cache.pending import Match
+from tailreplay_sglang.runtime import TailReplayRuntime
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 
@@ -85,9 +85,7 @@ SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None, dera
                     print_blob=False, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True)
-def papers_mode(monkeypatch):
-    monkeypatch.setattr(RuntimeState, "config", TailReplayConfig(enabled=True, exact_budget=0))
+PAPERS_MODE = TailReplayConfig(enabled=True, exact_budget=0)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +95,9 @@ def sglang_context():
     return server_args, create_context(server_args, role="scheduler")
 
 
-def build_cache(server_args):
-    """(tree cache, req-to-token pool, KV allocator) as the scheduler builds them, through our factory."""
+def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE):
+    """(tree cache, req-to-token pool, KV allocator) as the scheduler builds them, through our factory, with its
+    own runtime as a scheduler process has."""
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8,
                                     state_size=8, conv_kernel=4, conv_shard_groups=[8, 8, 16])  # GDN: q, k, v
     req_pool = HybridReqToTokenPool(
@@ -117,7 +116,7 @@ def build_cache(server_args):
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
         tp_size=1, tp_rank=0, tp_group=None)
-    return create_tail_replay_cache(ctx), req_pool, allocator
+    return create_tail_replay_cache(TailReplayRuntime(config), ctx), req_pool, allocator
 
 
 # ---- reading the tree (custom components select SGLang's Python TreeCore, whose nodes are plain objects) ----

@@ -14,11 +14,13 @@ from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 
 def launch(*args, timeout=180):
+    """`python -m sglang.launch_server` on the CPU: its tests are marked `server` (~15 s of imports per launch)."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--device", "cpu", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.server
 def test_flags_appear_in_stock_help():
     out = launch("--help")
     assert out.returncode == 0
@@ -66,12 +68,14 @@ def test_invalid_flags_are_refused_naming_the_flag(tiny_qwen35, args, message):
     REFUSED[0], REFUSED[1],
     (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
 ], ids=["ratio-out-of-range", "option-without-enable", "unknown-tier"])
+@pytest.mark.server
 def test_the_launcher_exits_at_start_up_naming_the_flag(tiny_qwen35, args, message):
     out = launch("--model-path", str(tiny_qwen35), *args)
     assert out.returncode == 2
     assert message in out.stderr
 
 
+@pytest.mark.server
 def test_model_without_linear_attention_is_refused_with_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8}))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
-from tailreplay_sglang.hidden_store import TOKENS, HiddenStore
+from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
 from tailreplay_sglang.plugin import _hidden_tier
-from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice
+from tailreplay_sglang.store.transfer import DeviceToHostWriteBack, HostToDevice
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUT = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=16)  # 2 stored groups
@@ -146,22 +146,22 @@ def test_cuda_write_back_is_asynchronous_and_lands():
 
 
 @pytest.mark.parametrize("tier,extra", [("device", True), ("host", False)])
-def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, tier, extra):
+def test_only_the_device_tier_is_charged_to_the_kv_cell(tmp_path, tier, extra):
     """The pool configurator sizes the KV pool by bytes per token: the device-tier store adds its bytes (fewer
     tokens fit), the host-tier store adds none (the device pool keeps its stock size)."""
     from types import SimpleNamespace
 
     from transformers import AutoConfig
 
-    from tailreplay_sglang import integration
-    from tailreplay_sglang.state import RuntimeState
-    from tailreplay_sglang.hidden_store import bytes_per_token
-    from tailreplay_sglang.eval.models import build_model
+    from tailreplay_sglang import lifecycle
+    from tailreplay_sglang.runtime import TailReplayRuntime
+    from tailreplay_sglang.store.hidden_store import bytes_per_token
+    from tailreplay_eval.models import build_model
 
     hf_config = AutoConfig.from_pretrained(build_model("tiny-qwen35", tmp_path / "m"))
     kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, dtype=torch.float32))
-    monkeypatch.setattr(RuntimeState, "config", TailReplayConfig(enabled=True, hidden_tier=tier))
-    cell = integration.add_store_to_cell_size(lambda *args: 1000, None, kvc, 8)
+    runtime = TailReplayRuntime(TailReplayConfig(enabled=True, hidden_tier=tier))
+    cell = lifecycle.add_store_to_cell_size(runtime, lambda *args: 1000, None, kvc, 8)
     store = bytes_per_token(HybridLayout.from_hf_config(hf_config), torch.float32)  # auto: the model dtype
     assert cell == 1000 + (store if extra else 0)
 
@@ -170,7 +170,7 @@ def test_only_the_device_tier_is_charged_to_the_kv_cell(monkeypatch, tmp_path, t
 def test_float8_rows_decode_within_e4m3_rounding_of_what_was_written(magnitude):
     """float8 hiddens: e4m3 keeps 3 mantissa bits, so each value comes back within 2^-4 of itself (plus the subnormal
     step of its row's scale); one scale per token keeps a small row as precise as a large one beside it."""
-    from tailreplay_sglang.hidden_store import bytes_per_token
+    from tailreplay_sglang.store.hidden_store import bytes_per_token
 
     store = HiddenStore(LAYOUT, 8, torch.float8_e4m3fn, DEVICE, "device")
     assert store.hiddens.dtype == torch.uint8 and bytes_per_token(LAYOUT, torch.float8_e4m3fn) == 2 * (16 + 4) + 8

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Heuristics
 
-from conftest import rel_err
+from helpers import rel_err
 from tailreplay_sglang import kernels
 
 TOL = 1e-5

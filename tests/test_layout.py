@@ -25,7 +25,7 @@ def test_adjacent_full_attention_layers_and_trailing_gdn():
 
 
 def test_from_built_checkpoint(tmp_path):
-    from tailreplay_sglang.eval.models import build_model
+    from tailreplay_eval.models import build_model
 
     lay = HybridLayout.from_model_path(str(build_model("tiny-qwen35", tmp_path / "m")))
     assert [g.gdn_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6)]

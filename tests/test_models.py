@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from tailreplay_sglang.eval.models import BUILD_MARKER, PRESETS, build_model
-from tailreplay_sglang.eval.reference import load_hf_model
+from tailreplay_eval.models import BUILD_MARKER, PRESETS, build_model
+from tailreplay_eval.reference import load_hf_model
 
 TINY_PRESETS = ["tiny-qwen35", "tiny-qwen3next"]
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]

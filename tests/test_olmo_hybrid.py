@@ -5,11 +5,9 @@ pre-norm GDN layers, norm weights drawn around 1 (so a norm applied in the wrong
 """
 
 import pytest
-from transformers import AutoTokenizer
 
-from conftest import generate as shared_generate
-from conftest import check_concurrent_hits, check_multi_turn, start_server
-from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from helpers import Spec, check_concurrent_hits, check_multi_turn, generate, start_servers
+from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 
 pytestmark = pytest.mark.server
 
@@ -17,15 +15,6 @@ NEW = 12
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 LOGPROB_TOL = 1e-3  # what tests/test_server.py asks of Qwen3.5
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_olmo_hybrid):
-    return load_hf_model(tiny_olmo_hybrid), AutoTokenizer.from_pretrained(tiny_olmo_hybrid)
-
-
-def generate(server, ids, max_new_tokens=NEW, **extra):
-    return shared_generate(server, ids, max_new_tokens, **extra)
 
 
 def max_logprob_error(out, model, ids, start=0) -> float:
@@ -36,39 +25,57 @@ def max_logprob_error(out, model, ids, start=0) -> float:
     return max(abs(lp - reference[pos - 1]) for pos, lp in served)
 
 
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
+               "--tail-replay-hidden-dtype", "float32", "--chunked-prefill-size", "128")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_olmo_hybrid, tmp_path_factory):
+    """The module's servers, started together: stock; Tail-Replay replaying whole prefixes (exact); the defaults
+    (anchored); the paper's zero states and 10 % tail (error ordering)."""
+    paper = ("--enable-tail-replay", "--tail-replay-exact-budget", "0")
+    yield from start_servers(tmp_path_factory, {
+        "stock": Spec(tiny_olmo_hybrid),
+        "exact": Spec(tiny_olmo_hybrid, EXACT_FLAGS),
+        "default": Spec(tiny_olmo_hybrid, ("--enable-tail-replay",)),
+        "zero": Spec(tiny_olmo_hybrid, (*paper, "--tail-replay-mode", "zero")),
+        "r=0.1": Spec(tiny_olmo_hybrid, (*paper, "--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1")),
+    })
+
+
 # ---- stock SGLang (no Tail-Replay): the model itself ----
 
 @pytest.fixture(scope="module")
-def stock(tiny_olmo_hybrid, tmp_path_factory):
-    yield from start_server(tiny_olmo_hybrid, tmp_path_factory)
+def stock(servers):
+    return servers["stock"]
 
 
-def test_hf_reference_uses_negative_eigenvalues(hf):
-    model, _ = hf
+def test_hf_reference_uses_negative_eigenvalues(hf_olmo_hybrid):
+    model, _ = hf_olmo_hybrid
     assert model.config.linear_allow_neg_eigval
     assert model.model.layers[0].linear_attn.allow_neg_eigval
 
 
-def test_stock_fresh_prompt_matches_hf_greedy(stock, hf):
-    model, tok = hf
+def test_stock_fresh_prompt_matches_hf_greedy(stock, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     ids = tok(SYSTEM + " what happened first?").input_ids
-    out = generate(stock, ids)
+    out = generate(stock, ids, NEW)
     assert out["meta_info"]["cached_tokens"] == 0
     assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-def test_stock_prefix_cache_hit_matches_hf_greedy(stock, hf):
-    model, tok = hf
+def test_stock_prefix_cache_hit_matches_hf_greedy(stock, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     base = tok(SYSTEM).input_ids
     generate(stock, base, max_new_tokens=2)
     extended = base + tok(" who repaired the window?").input_ids
-    out = generate(stock, extended)
+    out = generate(stock, extended, NEW)
     assert out["meta_info"]["cached_tokens"] >= len(base) - 1  # stock no_buffer hits at the inserted end
     assert out["output_ids"] == greedy_generate(model, extended, NEW)
 
 
-def test_stock_prompt_logprobs_match_hf(stock, hf):
-    model, tok = hf
+def test_stock_prompt_logprobs_match_hf(stock, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     ids = tok(SYSTEM + " runs into the forest").input_ids
     out = generate(stock, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=0)
     assert max_logprob_error(out, model, ids) < LOGPROB_TOL
@@ -76,33 +83,29 @@ def test_stock_prompt_logprobs_match_hf(stock, hf):
 
 # ---- Tail-Replay: the paper's mode (no anchors) replaying the whole prefix equals no cache ----
 
-EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
-               "--tail-replay-hidden-dtype", "float32", "--chunked-prefill-size", "128")
-
-
 @pytest.fixture(scope="module")
-def exact(tiny_olmo_hybrid, tmp_path_factory):
-    yield from start_server(tiny_olmo_hybrid, tmp_path_factory, *EXACT_FLAGS)
+def exact(servers):
+    return servers["exact"]
 
 
 def _hit(server, model, ids, cached):
     """A request that must hit `cached` tokens, replay all of them, and give HF's no-cache greedy tokens."""
-    out = generate(server, ids)
+    out = generate(server, ids, NEW)
     assert out["meta_info"]["cached_tokens"] == cached
     assert out["meta_info"]["tail_replay_tokens"] == cached
     assert out["output_ids"] == greedy_generate(model, ids, NEW)
     return out
 
 
-def test_tail_replay_full_identical_resend_equals_no_cache(exact, hf):
-    model, tok = hf
+def test_tail_replay_full_identical_resend_equals_no_cache(exact, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     ids = tok(SYSTEM + " what happened first?").input_ids
-    assert generate(exact, ids)["meta_info"]["cached_tokens"] == 0
+    assert generate(exact, ids, NEW)["meta_info"]["cached_tokens"] == 0
     _hit(exact, model, ids, len(ids) - 1)  # SGLang caps a match at input_len - 1
 
 
-def test_tail_replay_full_shared_prefix_fork_and_edit_equal_no_cache(exact, hf):
-    model, tok = hf
+def test_tail_replay_full_shared_prefix_fork_and_edit_equal_no_cache(exact, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     system = tok(SYSTEM + " and the harbour").input_ids
     generate(exact, system, max_new_tokens=1)
     _hit(exact, model, system + tok(" why did the sailor leave").input_ids, len(system))  # shared system prompt
@@ -110,27 +113,27 @@ def test_tail_replay_full_shared_prefix_fork_and_edit_equal_no_cache(exact, hf):
     _hit(exact, model, system[:29] + [(system[29] + 1) % 500] + system[30:], 29)  # edit in the middle
 
 
-def test_tail_replay_full_multi_turn_through_the_answer(exact, hf):
+def test_tail_replay_full_multi_turn_through_the_answer(exact, hf_olmo_hybrid):
     """The second turn matches through turn one's generated tokens: decode-time capture of the group inputs."""
-    model, tok = hf
+    model, tok = hf_olmo_hybrid
     check_multi_turn(exact, model, tok, SYSTEM + " first question for the multi turn chat?", NEW)
 
 
-def test_tail_replay_full_long_prompt_through_chunked_prefill(exact, hf):
+def test_tail_replay_full_long_prompt_through_chunked_prefill(exact, hf_olmo_hybrid):
     """A 600-token prefix (128-token prefill chunks) hit with a 150-token suffix: both prefills are chunked.
     Greedy tokens, as tests/test_tail_replay.py asks of Qwen3.5 here: SGLang keeps conv states in bfloat16 by
     default, and a chunk boundary's rounding reaches ~1e-3 in a logprob after hundreds of tokens."""
     import random
 
-    model, _ = hf
+    model, _ = hf_olmo_hybrid
     rng = random.Random(3)
     prefix = [rng.randrange(3, 500) for _ in range(600)]
     generate(exact, prefix, max_new_tokens=1)
     _hit(exact, model, prefix + [rng.randrange(3, 500) for _ in range(150)], len(prefix))
 
 
-def test_tail_replay_eight_concurrent_hits_on_one_prefix(exact, hf):
-    model, tok = hf
+def test_tail_replay_eight_concurrent_hits_on_one_prefix(exact, hf_olmo_hybrid):
+    model, tok = hf_olmo_hybrid
     system = tok(SYSTEM + " eight readers").input_ids
     generate(exact, system, max_new_tokens=1)
     check_concurrent_hits(exact, model, tok, system, NEW)
@@ -143,39 +146,36 @@ def _suffix_logprob_error(server, model, ids, start) -> float:
     return max_logprob_error(out, model, ids, start)
 
 
-def test_tail_replay_error_ordering_zero_above_ratio_above_full(exact, hf, tiny_olmo_hybrid, tmp_path_factory):
+def test_tail_replay_error_ordering_zero_above_ratio_above_full(exact, servers, hf_olmo_hybrid):
     """error(zero states) > error(r = 0.1) > error(r = 1) ~ 0 on the suffix after a 560-token hit."""
     import random
 
-    model, _ = hf
+    model, _ = hf_olmo_hybrid
     rng = random.Random(0)
     ids, start = [rng.randrange(3, 500) for _ in range(600)], 560
     errors = {"full": _suffix_logprob_error(exact, model, ids, start)}
-    for name, flags in (("zero", ("--tail-replay-mode", "zero")),
-                        ("r=0.1", ("--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1"))):
-        for srv in start_server(tiny_olmo_hybrid, tmp_path_factory, "--enable-tail-replay",
-                                "--tail-replay-exact-budget", "0", *flags):
-            errors[name] = _suffix_logprob_error(srv, model, ids, start)
+    for name in ("zero", "r=0.1"):
+        errors[name] = _suffix_logprob_error(servers[name], model, ids, start)
     assert errors["zero"] > 2 * errors["r=0.1"] > 2 * errors["full"], errors
     assert errors["full"] < LOGPROB_TOL, errors
 
 
-def test_default_anchored_tail_replay_is_exact(tiny_olmo_hybrid, tmp_path_factory, hf):
+def test_default_anchored_tail_replay_is_exact(servers, hf_olmo_hybrid):
     """`--enable-tail-replay` alone: interval anchors every 512 tokens, cut by the CPU prefill ops. A hit 100
     tokens past the interval anchor at 512 replays [512, 612) from a copy of it (with beta = 2 sigmoid(b)) and is
     exact; a resend replays nothing (the request-end anchor)."""
     import random
 
-    model, _ = hf
+    model, _ = hf_olmo_hybrid
     rng = random.Random(5)
     doc = [rng.randrange(3, 500) for _ in range(700)]
-    for srv in start_server(tiny_olmo_hybrid, tmp_path_factory, "--enable-tail-replay"):
-        generate(srv, doc, max_new_tokens=1)
-        fork = doc[:612] + [rng.randrange(3, 500) for _ in range(20)]
-        out = generate(srv, fork)
-        assert out["meta_info"]["cached_tokens"] == 612
-        assert out["meta_info"]["tail_replay_exact"] and out["meta_info"]["tail_replay_anchor"] == 512
-        assert out["meta_info"]["tail_replay_tokens"] == 100
-        assert out["output_ids"] == greedy_generate(model, fork, NEW)
-        again = generate(srv, fork)
-        assert again["meta_info"]["tail_replay_exact"] and again["output_ids"] == out["output_ids"]
+    srv = servers["default"]
+    generate(srv, doc, max_new_tokens=1)
+    fork = doc[:612] + [rng.randrange(3, 500) for _ in range(20)]
+    out = generate(srv, fork, NEW)
+    assert out["meta_info"]["cached_tokens"] == 612
+    assert out["meta_info"]["tail_replay_exact"] and out["meta_info"]["tail_replay_anchor"] == 512
+    assert out["meta_info"]["tail_replay_tokens"] == 100
+    assert out["output_ids"] == greedy_generate(model, fork, NEW)
+    again = generate(srv, fork, NEW)
+    assert again["meta_info"]["tail_replay_exact"] and again["output_ids"] == out["output_ids"]

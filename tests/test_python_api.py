@@ -1,6 +1,6 @@
 """Tail-Replay through SGLang's Python APIs: `sglang.Engine(..., enable_tail_replay=True, ...)` in this process and
 `sgl.Runtime(...)` driving a frontend program, against the HTTP server started from the command line with the same
-flags (`conftest.EXACT_FLAGS`)."""
+flags (`helpers.EXACT_FLAGS`)."""
 
 import argparse
 import json
@@ -11,18 +11,17 @@ import sys
 import psutil
 import pytest
 import requests
-from transformers import AutoTokenizer
 
-from conftest import EXACT_FLAGS, run_forked_program
-from conftest import generate as http_generate
+from helpers import EXACT_FLAGS, run_forked_program
+from helpers import generate as http_generate
+from tailreplay_eval.server import CPU_ENV, flags_to_keywords, flush_cache
+from tailreplay_eval.server import CPU_KEYWORDS as SERVER_CPU_KEYWORDS
 from tailreplay_sglang import python_api
-from tailreplay_sglang.cache import RADIX_CACHE_BACKEND
+from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND
 from tailreplay_sglang.config import ENV_VAR, TailReplayConfig, TailReplayConfigError
-from tailreplay_sglang.eval.server import CPU_ENV, flags_to_keywords, flush_cache
-from tailreplay_sglang.eval.server import CPU_KEYWORDS as SERVER_CPU_KEYWORDS
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
-# What conftest's servers get: CPU_FLAGS, ServerProcess' pool sizes, EXACT_FLAGS (minus metrics: HTTP only)
+# What the helpers' servers get: CPU_FLAGS, ServerProcess' pool sizes, EXACT_FLAGS (minus metrics: HTTP only)
 CPU_KEYWORDS = {**SERVER_CPU_KEYWORDS, "max_total_tokens": 4096, "max_running_requests": 8}
 EXACT_KEYWORDS = flags_to_keywords(tuple(f for f in EXACT_FLAGS if f not in ("--enable-metrics",
                                                                              "--enable-cache-report")))
@@ -40,11 +39,6 @@ def _keep_environment(monkeypatch):
     for name, value in CPU_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(ENV_VAR, os.environ.get(ENV_VAR, ""))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen35):
-    return AutoTokenizer.from_pretrained(tiny_qwen35)
 
 
 # ---- keywords, without starting anything ----
@@ -107,15 +101,15 @@ def _questions(tok, questions):
 
 
 @pytest.fixture(scope="module")
-def engine_run(tiny_qwen35, tok, tmp_path_factory):
+def engine_run(tiny_qwen35, tok_qwen35, tmp_path_factory):
     """The batch and conversation workloads through an Engine with EXACT_KEYWORDS, and how it shut down."""
-    system = tok(SYSTEM).input_ids
+    system = tok_qwen35(SYSTEM).input_ids
     spec = {"model_path": str(tiny_qwen35), "keywords": {**CPU_KEYWORDS, **EXACT_KEYWORDS}, "sampling_params": GREEDY,
-            "batch": {"first": system, "batch": [system + q for q in _questions(tok, BATCH_QUESTIONS)]},
-            "conversation": {"start": system, "turns": _questions(tok, TURNS)}}
+            "batch": {"first": system, "batch": [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)]},
+            "conversation": {"start": system, "turns": _questions(tok_qwen35, TURNS)}}
     folder = tmp_path_factory.mktemp("engine")
     (folder / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "tailreplay_sglang.eval.engine_run", str(folder / "spec.json"),
+    done = subprocess.run([sys.executable, "-m", "tailreplay_eval.engine_run", str(folder / "spec.json"),
                            str(folder / "out.json")], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ENV})
     assert done.returncode == 0, done.stderr[-4000:]
@@ -129,13 +123,13 @@ def _summary(out: dict) -> dict:
 
 
 @pytest.mark.server
-def test_engine_shared_prefix_batch_hits_like_the_http_server(engine_run, exact_tail_replay_server, tok):
+def test_engine_shared_prefix_batch_hits_like_the_http_server(engine_run, exact_tail_replay_server, tok_qwen35):
     system = engine_run["system"]
     got = [_summary(o) for o in engine_run["batch"]]
 
     flush_cache(exact_tail_replay_server.base_url)
     want = [_summary(http_generate(exact_tail_replay_server, system, NEW))]
-    batch = [system + q for q in _questions(tok, BATCH_QUESTIONS)]
+    batch = [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)]
     r = requests.post(f"{exact_tail_replay_server.base_url}/generate",
                       json={"input_ids": batch, "sampling_params": GREEDY}, timeout=120)
     r.raise_for_status()
@@ -150,18 +144,18 @@ def test_engine_shared_prefix_batch_hits_like_the_http_server(engine_run, exact_
 
 @pytest.mark.server
 def test_engine_four_turn_conversation_hits_every_turn_like_the_http_server(engine_run, exact_tail_replay_server,
-                                                                            tok):
+                                                                            tok_qwen35):
     got = [_summary(o) for o in engine_run["conversation"]]  # turn 1 through async_generate
     flush_cache(exact_tail_replay_server.base_url)
     ids, want = list(engine_run["system"]), []
-    for new in _questions(tok, TURNS):
+    for new in _questions(tok_qwen35, TURNS):
         ids = ids + new
         want.append(_summary(http_generate(exact_tail_replay_server, ids, NEW)))
         ids = ids + want[-1]["output_ids"]
 
     assert got[0]["cached"] == 0
-    previous = len(engine_run["system"]) + len(_questions(tok, TURNS)[0]) + NEW
-    for turn, new in zip(got[1:], _questions(tok, TURNS)[1:]):
+    previous = len(engine_run["system"]) + len(_questions(tok_qwen35, TURNS)[0]) + NEW
+    for turn, new in zip(got[1:], _questions(tok_qwen35, TURNS)[1:]):
         assert turn["cached"] >= previous - 1 and turn["replayed"] == turn["cached"]
         previous += len(new) + NEW
     assert got == want
@@ -178,7 +172,7 @@ def test_engine_shuts_down_without_leftover_processes(engine_run):
 # ---- sgl.Runtime: a frontend program on a server started with keywords ----
 
 @pytest.mark.server
-def test_runtime_takes_the_keywords_and_a_forked_program_hits(tiny_qwen35, tok):
+def test_runtime_takes_the_keywords_and_a_forked_program_hits(tiny_qwen35, tok_qwen35):
     import sglang as sgl
 
     # its own port search (from 30000 up to 40000)
@@ -186,7 +180,7 @@ def test_runtime_takes_the_keywords_and_a_forked_program_hits(tiny_qwen35, tok):
     pid = runtime.pid
     try:
         metas = run_forked_program(runtime, SYSTEM, "what happened?")
-        prefix_len = len(tok(SYSTEM + " what happened?").input_ids)
+        prefix_len = len(tok_qwen35(SYSTEM + " what happened?").input_ids)
         assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), metas
         assert all(m["tail_replay_tokens"] == m["cached_tokens"] for m in metas), metas  # ratio 1 reached it
     finally:

@@ -7,15 +7,13 @@ every row. The model: the trained quality model if it is in models/ (then it mus
 random-weight tiny Qwen3.5."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import MODELS_DIR, start_server
+from helpers import MODELS_DIR, load_bench, start_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import quality  # noqa: E402
+quality = load_bench("quality")
 
 pytestmark = pytest.mark.server
 

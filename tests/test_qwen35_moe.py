@@ -4,8 +4,8 @@ misses are stock SGLang's forward (fresh prompt: greedy tokens and prompt logpro
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import generate, start_server
-from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from helpers import generate, start_server
+from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 
 pytestmark = pytest.mark.server
 

@@ -17,11 +17,9 @@ import time
 import pytest
 import requests
 
-from conftest import generate as shared_generate
-from conftest import start_server
+from helpers import faults_env, generate, generate_response, start_server
 from soak import SoakConfig, check_against_no_cache, pool_leaks, pools, run_soak, wait_idle
-from tailreplay_sglang.integration import FAULT_REPLAY_DELAY_ENV
-from tailreplay_sglang.eval.server import flush_cache
+from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -39,7 +37,18 @@ FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-repl
 @pytest.fixture(scope="module")
 def server(tiny_qwen35, tmp_path_factory):
     yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS, max_total_tokens=POOL_TOKENS,
-                            env={FAULT_REPLAY_DELAY_ENV: str(REPLAY_DELAY_S)})
+                            env=faults_env(REPLAY_DELAY_S))
+
+
+def test_the_fault_plugin_holds_replays(server):
+    """The fault injection the tests below rely on is in effect: SGLang loaded the test plugin, whose hook holds a
+    replay pass for REPLAY_DELAY_S."""
+    ids = random_ids(200, seed=99)
+    generate(server, ids, 1)
+    start = time.perf_counter()
+    out = generate(server, ids + [1, 2], 1)
+    assert out["meta_info"]["tail_replay_tokens"] > 0
+    assert time.perf_counter() - start >= REPLAY_DELAY_S
 
 
 @pytest.fixture(autouse=True)
@@ -51,16 +60,6 @@ def pools_are_back_after_each_test(server):
 def random_ids(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(VOCAB) for _ in range(n)]
-
-
-def post_generate(server, ids, max_new=8, **extra):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-            **extra}
-    return requests.post(f"{server.base_url}/generate", json=body, timeout=120)
-
-
-def generate(server, ids, max_new=8, **extra) -> dict:
-    return shared_generate(server, ids, max_new, **extra)
 
 
 def no_cache(server, ids, max_new=8) -> list[int]:
@@ -87,7 +86,7 @@ def abort_until_done(server, rid, future, every=0.02) -> dict:
 
 
 def assert_serving(server):
-    assert len(generate(server, [1, 2, 3], max_new=3)["output_ids"]) == 3
+    assert len(generate(server, [1, 2, 3], max_new_tokens=3)["output_ids"]) == 3
 
 
 # ---- bad input: HTTP 400, and the server keeps serving ----
@@ -115,7 +114,7 @@ def test_bad_input_gets_400_and_the_server_keeps_serving(server, path, body):
 
 
 def test_bad_id_names_the_id_and_the_vocabulary(server):
-    r = post_generate(server, [4, 5, VOCAB + 3])
+    r = generate_response(server, [4, 5, VOCAB + 3], 8)
     assert r.status_code == 400
     assert f"input_ids[2] = {VOCAB + 3}" in r.text and f"[0, {VOCAB})" in r.text
 
@@ -132,35 +131,35 @@ def test_streamed_bad_id_ends_the_stream_with_a_400_error(server):
 
 def test_abort_while_the_replay_runs(server):
     prefix = random_ids(500, seed=1)
-    generate(server, prefix, max_new=1)
-    hit = in_background(generate, server, prefix + [7, 8, 9], max_new=40, rid="abort-in-replay")
+    generate(server, prefix, max_new_tokens=1)
+    hit = in_background(generate, server, prefix + [7, 8, 9], max_new_tokens=40, rid="abort-in-replay")
     time.sleep(REPLAY_DELAY_S / 2)  # the hit was scheduled at once; its replay pass now sleeps
     out = abort_until_done(server, "abort-in-replay", hit)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 40
     # the aborted request's slots went back, and the same prompt now serves what no cache serves
-    again = generate(server, prefix + [7, 8, 9], max_new=12)
+    again = generate(server, prefix + [7, 8, 9], max_new_tokens=12)
     assert again["meta_info"]["cached_tokens"] > 0
     assert again["output_ids"] == no_cache(server, prefix + [7, 8, 9], max_new=12)
 
 
 def test_abort_while_queued_behind_a_replay(server):
     prefix = random_ids(400, seed=2)
-    generate(server, prefix, max_new=1)
-    first = in_background(generate, server, prefix + [1], max_new=6)
+    generate(server, prefix, max_new_tokens=1)
+    first = in_background(generate, server, prefix + [1], max_new_tokens=6)
     time.sleep(REPLAY_DELAY_S / 3)  # the first hit's replay holds the scheduler; the next one waits in the queue
-    queued = in_background(generate, server, prefix + [2], max_new=6, rid="abort-queued")
+    queued = in_background(generate, server, prefix + [2], max_new_tokens=6, rid="abort-queued")
     assert abort_until_done(server, "abort-queued", queued)["meta_info"]["finish_reason"]["type"] == "abort"
     assert first.result(timeout=120)["output_ids"] == no_cache(server, prefix + [1], max_new=6)
 
 
 def test_two_requests_replay_the_same_prefix_in_one_batch(server):
     prefix = random_ids(450, seed=3)
-    generate(server, prefix, max_new=1)
-    blocker = in_background(generate, server, prefix + [9], max_new=1)  # its replay pass holds the scheduler ...
+    generate(server, prefix, max_new_tokens=1)
+    blocker = in_background(generate, server, prefix + [9], max_new_tokens=1)  # its replay pass holds the scheduler ...
     time.sleep(REPLAY_DELAY_S / 3)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # ... so these two queue up and are batched together
-        outs = list(pool.map(lambda s: generate(server, prefix + s, max_new=10), ([11, 12], [13])))
+        outs = list(pool.map(lambda s: generate(server, prefix + s, max_new_tokens=10), ([11, 12], [13])))
     blocker.result(timeout=120)
     for out in outs:
         assert out["meta_info"]["cached_tokens"] >= len(prefix)
@@ -172,15 +171,15 @@ def test_two_requests_replay_the_same_prefix_in_one_batch(server):
 def test_hit_whose_prefix_is_evicted_before_it_runs(server):
     prefix, big = random_ids(500, seed=4), random_ids(1300, seed=5)
     flush_cache(server.base_url)
-    generate(server, prefix, max_new=1)
+    generate(server, prefix, max_new_tokens=1)
     evicted_before = pools(server.base_url)["evicted_tokens"]
-    blocker = in_background(generate, server, prefix + [3], max_new=1)
+    blocker = in_background(generate, server, prefix + [3], max_new_tokens=1)
     time.sleep(REPLAY_DELAY_S / 3)
     # queued behind the blocker: `big` needs nearly the whole pool, so admitting it evicts the cached prefix that
     # the hit matched while it waited
-    big_out = in_background(generate, server, big, max_new=2)
+    big_out = in_background(generate, server, big, max_new_tokens=2)
     time.sleep(0.02)
-    hit = generate(server, prefix + [4, 5], max_new=10)
+    hit = generate(server, prefix + [4, 5], max_new_tokens=10)
     big_out.result(timeout=120), blocker.result(timeout=120)
     assert pools(server.base_url)["evicted_tokens"] > evicted_before
     assert hit["output_ids"] == no_cache(server, prefix + [4, 5], max_new=10)
@@ -192,7 +191,7 @@ def test_hidden_store_is_sized_with_the_kv_pool_so_it_cannot_fill_first(server):
     p = pools(server.base_url)
     assert p["hidden_store_slots"] == p["kv_total"] + 1 and p["hidden_tier"] == "host"
     prompts = [random_ids(700, seed=10 + i) for i in range(4)]  # 2800 tokens through a 1536-token pool
-    outs = [generate(server, ids, max_new=4)["output_ids"] for ids in prompts]
+    outs = [generate(server, ids, max_new_tokens=4)["output_ids"] for ids in prompts]
     assert pools(server.base_url)["evicted_tokens"] > 0
     assert outs == [no_cache(server, ids, max_new=4) for ids in prompts]
 

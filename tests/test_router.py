@@ -4,9 +4,8 @@ that share a prefix reach the worker holding it and hit; round-robin scatters th
 import pytest
 import requests
 
-from transformers import AutoTokenizer
-
-from tailreplay_sglang.eval.server import RouterProcess, ServerProcess, _group_alive, flush_cache
+from helpers import Spec, start_servers
+from tailreplay_eval.server import RouterProcess, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -20,23 +19,10 @@ QUESTIONS = [" what happened first?", " who was there?", " why did it matter?"]
 
 @pytest.fixture(scope="module")
 def workers(tiny_qwen35, tmp_path_factory):
-    """Two Tail-Replay workers, started together (they load at once: one server's start-up time)."""
-    folder = tmp_path_factory.mktemp("workers")
-    servers = [ServerProcess(str(tiny_qwen35), ("--enable-tail-replay",), log_path=folder / f"worker{i}.log",
-                             env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}) for i in range(2)]
-    try:
-        for server in servers:
-            server.start()
-        yield [server.wait_healthy() for server in servers]
-    finally:
-        for server in servers:
-            server.stop()
-            assert not _group_alive(server.proc.pid), "worker process group survived stop()"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen35):
-    return AutoTokenizer.from_pretrained(tiny_qwen35)
+    """Two Tail-Replay workers, started together."""
+    specs = {f"worker{i}": Spec(tiny_qwen35, ("--enable-tail-replay",)) for i in range(2)}
+    for servers in start_servers(tmp_path_factory, specs):
+        yield list(servers.values())
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +55,14 @@ def _run(router: ServerProcess, workers, tok) -> list[tuple[int, int]]:
     return follow_ups
 
 
-def test_cache_aware_routing_sends_a_prefix_to_its_worker_and_every_follow_up_hits(routers, workers, tok):
-    follow_ups = _run(routers["cache_aware"], workers, tok)
+def test_cache_aware_routing_sends_a_prefix_to_its_worker_and_every_follow_up_hits(routers, workers, tok_qwen35):
+    follow_ups = _run(routers["cache_aware"], workers, tok_qwen35)
     assert len(follow_ups) == len(PREFIXES) * (len(QUESTIONS) - 1)
     assert all(cached >= prefix for cached, prefix in follow_ups), follow_ups
 
 
-def test_round_robin_scatters_a_prefix_and_its_second_request_misses(routers, workers, tok):
+def test_round_robin_scatters_a_prefix_and_its_second_request_misses(routers, workers, tok_qwen35):
     """Round-robin over 2 workers and 3 prefixes: a prefix's 2nd request lands on the other worker than its 1st."""
-    follow_ups = _run(routers["round_robin"], workers, tok)
+    follow_ups = _run(routers["round_robin"], workers, tok_qwen35)
     second_requests = follow_ups[:len(PREFIXES)]
     assert all(cached < prefix for cached, prefix in second_requests), follow_ups

@@ -6,11 +6,10 @@ allows no more ranks than NUMA nodes (one here).
 
 import psutil
 import pytest
-from transformers import AutoTokenizer
 
-from conftest import EXACT_FLAGS, generate, start_server
-from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
-from tailreplay_sglang.eval.server import flush_cache
+from helpers import EXACT_FLAGS, Spec, generate, start_servers
+from tailreplay_eval.reference import greedy_generate, prompt_logprobs
+from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -21,26 +20,30 @@ SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes 
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_qwen35):
-    return load_hf_model(tiny_qwen35), AutoTokenizer.from_pretrained(tiny_qwen35)
+def servers(tiny_qwen35, tmp_path_factory):
+    """TP 2 replaying whole prefixes; DP 2 with anchored replay (the defaults, interval anchors every 64 tokens) on
+    both ranks. Started together."""
+    yield from start_servers(tmp_path_factory, {
+        "tp": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
+        "dp": Spec(tiny_qwen35, ("--enable-tail-replay", "--tail-replay-anchor-interval", "64", "--dp-size", "2"),
+                   env=TWO_RANKS),
+    })
 
 
 @pytest.fixture(scope="module")
-def tp_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS, "--tp-size", "2", env=TWO_RANKS)
+def tp_server(servers):
+    return servers["tp"]
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_qwen35, tmp_path_factory):
-    # anchored replay (the defaults) on both ranks, interval anchors every 64 tokens
-    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval",
-                            "64", "--dp-size", "2", env=TWO_RANKS)
+def dp_server(servers):
+    return servers["dp"]
 
 
-def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp_server, hf):
+def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp_server, hf_qwen35):
     """Each rank replays its own GDN heads; the all-reduces after the output projection and the MLP pair up across
     ranks (a missing one deadlocks or gives a partial sum, and the greedy tokens differ)."""
-    model, tok = hf
+    model, tok = hf_qwen35
     flush_cache(tp_server.base_url)
     system = tok(SYSTEM).input_ids
     generate(tp_server, system, NEW)
@@ -52,9 +55,9 @@ def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp_server, hf):
         assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp_server, hf):
+def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp_server, hf_qwen35):
     """The same check and tolerance as test_tail_replay.py's at TP 1."""
-    model, tok = hf
+    model, tok = hf_qwen35
     flush_cache(tp_server.base_url)
     ids = tok(SYSTEM + " and then the story ends").input_ids
     start = len(ids) - 6
@@ -68,10 +71,10 @@ def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp_server, hf):
     assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
 
 
-def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf):
+def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf_qwen35):
     """A prefix cached on rank 0 hits on rank 0 only; rank 1 builds its own. Both ranks run Tail-Replay (the config
     reached both schedulers): a fork mid-prefix hits at a token boundary, from an interval anchor, exactly."""
-    model, tok = hf
+    model, tok = hf_qwen35
     flush_cache(dp_server.base_url)
     ids = tok(SYSTEM + " what happened first?").input_ids
     fork = ids[:-9] + tok(" and who ordered it?").input_ids  # matches 9 tokens short of the end: no request ended there

@@ -6,9 +6,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from conftest import generate as shared_generate
-from conftest import start_server
-from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from helpers import Spec, generate, start_servers
+from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 
 pytestmark = pytest.mark.server
 
@@ -17,39 +16,36 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory)
+def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
+    """Stock SGLang on tiny Qwen3.5 and on tiny Qwen3-Next, started together."""
+    yield from start_servers(tmp_path_factory, {"qwen35": Spec(tiny_qwen35), "qwen3next": Spec(tiny_qwen3next)})
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_qwen35):
-    return load_hf_model(tiny_qwen35), AutoTokenizer.from_pretrained(tiny_qwen35)
+def server(servers):
+    return servers["qwen35"]
 
 
-def generate(server, input_ids, max_new_tokens=NEW_TOKENS, **extra):
-    return shared_generate(server, input_ids, max_new_tokens, **extra)
-
-
-def test_fresh_prompt_matches_hf_greedy(server, hf):
-    model, tok = hf
+def test_fresh_prompt_matches_hf_greedy(server, hf_qwen35):
+    model, tok = hf_qwen35
     ids = tok(PROMPT).input_ids
-    out = generate(server, ids)
+    out = generate(server, ids, NEW_TOKENS)
     assert out["meta_info"]["cached_tokens"] == 0
     assert out["output_ids"] == greedy_generate(model, ids, NEW_TOKENS)
 
 
-def test_prefix_cache_hit_matches_hf_greedy(server, hf):
-    model, tok = hf
+def test_prefix_cache_hit_matches_hf_greedy(server, hf_qwen35):
+    model, tok = hf_qwen35
     base = tok("a shared system prompt: always answer about foxes and dogs").input_ids
     generate(server, base, max_new_tokens=2)
     extended = base + tok(" what does the fox do").input_ids
-    out = generate(server, extended)
+    out = generate(server, extended, NEW_TOKENS)
     assert out["meta_info"]["cached_tokens"] >= len(base) - 1  # stock no_buffer hits at the inserted end
     assert out["output_ids"] == greedy_generate(model, extended, NEW_TOKENS)
 
 
-def test_prompt_logprobs_match_hf(server, hf):
-    model, tok = hf
+def test_prompt_logprobs_match_hf(server, hf_qwen35):
+    model, tok = hf_qwen35
     ids = tok(PROMPT + " runs into the forest").input_ids
     out = generate(server, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=0)
     served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]][1:]
@@ -58,12 +54,12 @@ def test_prompt_logprobs_match_hf(server, hf):
     assert max(abs(a - b) for a, b in zip(served, reference)) < 1e-3
 
 
-def test_concurrent_requests_equal_serial(server, hf):
-    _, tok = hf
+def test_concurrent_requests_equal_serial(server, hf_qwen35):
+    _, tok = hf_qwen35
     prompts = [tok(f"request number {i} asks about the lazy dog").input_ids for i in range(4)]
-    serial = [generate(server, p)["output_ids"] for p in prompts]
+    serial = [generate(server, p, NEW_TOKENS)["output_ids"] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        parallel = [f.result()["output_ids"] for f in [pool.submit(generate, server, p) for p in prompts]]
+        parallel = [f.result()["output_ids"] for f in [pool.submit(generate, server, p, NEW_TOKENS) for p in prompts]]
     assert parallel == serial
 
 
@@ -84,19 +80,18 @@ def test_openai_chat_uses_the_chat_template(server):
     {"input_ids": [-1, 2], "sampling_params": {"max_new_tokens": 2}},
 ], ids=["negative-max-new-tokens", "non-numeric-temperature", "no-prompt", "malformed-json", "out-of-vocab-id",
         "negative-id"])
-def test_bad_request_gets_http_error_and_server_keeps_serving(server, hf, body):
+def test_bad_request_gets_http_error_and_server_keeps_serving(server, hf_qwen35, body):
     # Stock SGLang 0.5.23 lets a bad token id kill the scheduler; the plugin's check is on without
     # --enable-tail-replay too (tailreplay_sglang/validation.py).
     payload = {"data": body} if isinstance(body, str) else {"json": body}
     r = requests.post(f"{server.base_url}/generate", timeout=60, **payload)
     assert 400 <= r.status_code < 500, r.text
-    _, tok = hf
+    _, tok = hf_qwen35
     assert len(generate(server, tok("still alive").input_ids, max_new_tokens=3)["output_ids"]) == 3
 
 
-def test_qwen3next_serves_and_matches_hf(tiny_qwen3next, tmp_path_factory):
+def test_qwen3next_serves_and_matches_hf(tiny_qwen3next, servers):
     model = load_hf_model(tiny_qwen3next)
     tok = AutoTokenizer.from_pretrained(tiny_qwen3next)
     ids = tok(PROMPT).input_ids
-    for srv in start_server(tiny_qwen3next, tmp_path_factory):
-        assert generate(srv, ids, max_new_tokens=8)["output_ids"] == greedy_generate(model, ids, 8)
+    assert generate(servers["qwen3next"], ids, max_new_tokens=8)["output_ids"] == greedy_generate(model, ids, 8)

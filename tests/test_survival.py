@@ -5,8 +5,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tailreplay_sglang.anchors import offsets
-from tailreplay_sglang.cpu.gdn import gdn_gating
+from tailreplay_sglang.cache.anchors import offsets
+from tailreplay_sglang.ops.gdn import gdn_gating
 from tailreplay_sglang.replay import ReplayBatch, tail_log_survival
 
 

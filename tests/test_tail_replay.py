@@ -9,10 +9,10 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from conftest import generate as shared_generate
-from conftest import EXACT_FLAGS, check_concurrent_hits, check_multi_turn, run_forked_program, start_server
-from tailreplay_sglang.eval.reference import greedy_generate, load_hf_model, prompt_logprobs
-from tailreplay_sglang.eval.server import flush_cache
+from helpers import (EXACT_FLAGS, Spec, check_concurrent_hits, check_multi_turn, generate, run_forked_program,
+                     start_servers)
+from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -21,70 +21,83 @@ SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes 
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 
 
+PAPER = ("--enable-tail-replay", "--tail-replay-exact-budget", "0")
+
+
 @pytest.fixture(scope="module")
 def server(exact_tail_replay_server):
     return exact_tail_replay_server
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_qwen35):
-    return load_hf_model(tiny_qwen35), AutoTokenizer.from_pretrained(tiny_qwen35)
-
-
-def generate(server, ids, max_new_tokens=NEW, **extra):
-    return shared_generate(server, ids, max_new_tokens, **extra)
+def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
+    """The module's own servers (beside the session's exact one), started together:
+    - host_tier / float8: the exact flags with the host hidden tier (serialized loads) / float8 hiddens;
+    - ratio: the paper's tail clamped to [8, 12] tokens, 32-token prefill chunks, a 768-token KV pool;
+    - zero / r=0.1: the paper's zero states and a 10 % tail (error ordering);
+    - qwen3next: the exact flags on Qwen3-Next."""
+    yield from start_servers(tmp_path_factory, {
+        "host_tier": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-tier", "host", "--tail-replay-h2d", "ser")),
+        "float8": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-dtype", "float8_e4m3fn")),
+        "ratio": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", "0.25", "--tail-replay-min-tokens", "8",
+                                    "--tail-replay-max-tokens", "12", "--chunked-prefill-size", "32"),
+                      kwargs={"max_total_tokens": 768}),
+        "zero": Spec(tiny_qwen35, (*PAPER, "--tail-replay-mode", "zero")),
+        "r=0.1": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1")),
+        "qwen3next": Spec(tiny_qwen3next, EXACT_FLAGS),
+    })
 
 
 def flush(server):
     flush_cache(server.base_url)
 
 
-def test_identical_resend_hits_all_but_the_last_token_and_matches_no_cache(server, hf):
-    model, tok = hf
+def test_identical_resend_hits_all_but_the_last_token_and_matches_no_cache(server, hf_qwen35):
+    model, tok = hf_qwen35
     flush(server)
     ids = tok(SYSTEM + " what happened first?").input_ids
-    first = generate(server, ids)
-    again = generate(server, ids)
+    first = generate(server, ids, NEW)
+    again = generate(server, ids, NEW)
     assert first["meta_info"]["cached_tokens"] == 0
     assert again["meta_info"]["cached_tokens"] == len(ids) - 1  # SGLang's own cap: input_len - 1
     assert first["output_ids"] == again["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-def test_shared_system_prompt_hits_the_common_prefix(server, hf):
-    model, tok = hf
+def test_shared_system_prompt_hits_the_common_prefix(server, hf_qwen35):
+    model, tok = hf_qwen35
     flush(server)
     system = tok(SYSTEM).input_ids
     generate(server, system + tok(" who repaired the window?").input_ids, max_new_tokens=2)
     for question in (" why did the sailor leave", " when", " tell me about the boxes and the harbour please"):
         ids = system + tok(question).input_ids
-        out = generate(server, ids)
+        out = generate(server, ids, NEW)
         assert out["meta_info"]["cached_tokens"] >= len(system)
         assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
 @pytest.mark.parametrize("cut", [1, 7, 23])
-def test_fork_mid_prefix_and_edit_in_the_middle(server, hf, cut):
-    model, tok = hf
+def test_fork_mid_prefix_and_edit_in_the_middle(server, hf_qwen35, cut):
+    model, tok = hf_qwen35
     flush(server)
     base = tok(SYSTEM).input_ids
     generate(server, base, max_new_tokens=1)
     forked = base[:cut] + tok(" but a different story begins").input_ids
     edited = base[:cut] + [(base[cut] + 1) % 500] + base[cut + 1:]
     for ids in (forked, edited):
-        out = generate(server, ids)
+        out = generate(server, ids, NEW)
         assert out["meta_info"]["cached_tokens"] == cut
         assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-def test_multi_turn_follow_up_matches_through_the_previous_answer(server, hf):
+def test_multi_turn_follow_up_matches_through_the_previous_answer(server, hf_qwen35):
     """Decode-time capture: the second turn's prompt contains turn one's generated tokens."""
-    model, tok = hf
+    model, tok = hf_qwen35
     flush(server)
     check_multi_turn(server, model, tok, SYSTEM + " first question?", NEW)
 
 
-def test_prompt_logprobs_on_a_hit_match_no_cache(server, hf):
-    model, tok = hf
+def test_prompt_logprobs_on_a_hit_match_no_cache(server, hf_qwen35):
+    model, tok = hf_qwen35
     flush(server)
     ids = tok(SYSTEM + " and then the story ends").input_ids
     start = len(ids) - 6
@@ -98,16 +111,16 @@ def test_prompt_logprobs_on_a_hit_match_no_cache(server, hf):
     assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
 
 
-def test_concurrent_hits_on_one_prefix_are_independent(server, hf):
-    model, tok = hf
+def test_concurrent_hits_on_one_prefix_are_independent(server, hf_qwen35):
+    model, tok = hf_qwen35
     flush(server)
     system = tok(SYSTEM).input_ids
     generate(server, system, max_new_tokens=1)
     check_concurrent_hits(server, model, tok, system, NEW)
 
 
-def test_server_keeps_serving_after_flush_and_many_hits(server, hf):
-    _, tok = hf
+def test_server_keeps_serving_after_flush_and_many_hits(server, hf_qwen35):
+    _, tok = hf_qwen35
     ids = tok(SYSTEM).input_ids
     for i in range(6):
         generate(server, ids[: 10 + 5 * i] + [i + 3], max_new_tokens=2)
@@ -115,8 +128,8 @@ def test_server_keeps_serving_after_flush_and_many_hits(server, hf):
     assert generate(server, ids, max_new_tokens=2)["meta_info"]["cached_tokens"] == 0
 
 
-def test_meta_info_and_metrics_report_the_replay(server, hf):
-    _, tok = hf
+def test_meta_info_and_metrics_report_the_replay(server, hf_qwen35):
+    _, tok = hf_qwen35
     flush(server)
     ids = tok(SYSTEM + " visibility").input_ids
     miss, hit = generate(server, ids, max_new_tokens=2), generate(server, ids, max_new_tokens=2)
@@ -130,9 +143,8 @@ def test_meta_info_and_metrics_report_the_replay(server, hf):
 
 
 @pytest.fixture(scope="module")
-def host_tier_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS, "--tail-replay-hidden-tier", "host",
-                            "--tail-replay-h2d", "ser")
+def host_tier_server(servers):
+    return servers["host_tier"]
 
 
 def _mixed_traffic(server, tok) -> list[dict]:
@@ -140,23 +152,23 @@ def _mixed_traffic(server, tok) -> list[dict]:
     flush(server)
     system = tok(SYSTEM).input_ids
     prompts = [system, system + tok(" what happened first?").input_ids, system[:9] + tok(" a fork").input_ids]
-    outs = [generate(server, ids, return_logprob=True, logprob_start_len=len(ids) - 4) for ids in prompts]
+    outs = [generate(server, ids, NEW, return_logprob=True, logprob_start_len=len(ids) - 4) for ids in prompts]
     turn2 = prompts[1] + outs[1]["output_ids"] + tok(" and then?").input_ids
     prompts.append(turn2)
-    outs.append(generate(server, turn2))
+    outs.append(generate(server, turn2, NEW))
     # Sequential, so both servers batch alike (concurrent hits: test_concurrent_hits_on_one_prefix_are_independent)
     more = [system + tok(f" {word} happened next?").input_ids for word in ("what", "who", "why", "how")]
-    outs += [generate(server, ids) for ids in more]
+    outs += [generate(server, ids, NEW) for ids in more]
     prompts += more
     return [{"ids": ids, "output_ids": o["output_ids"], "cached": o["meta_info"]["cached_tokens"],
              "replayed": o["meta_info"].get("tail_replay_tokens", 0),
              "logprobs": o["meta_info"].get("input_token_logprobs")} for ids, o in zip(prompts, outs)]
 
 
-def test_host_tier_serves_exactly_what_the_device_tier_serves(server, host_tier_server, hf):
+def test_host_tier_serves_exactly_what_the_device_tier_serves(server, host_tier_server, hf_qwen35):
     """`--tail-replay-hidden-tier host --tail-replay-h2d ser` (on a CPU: the write-back and tail-load code with
     synchronous copies) against the default device tier: the same hits, replays, tokens and logprobs."""
-    model, tok = hf
+    model, tok = hf_qwen35
     device, host = _mixed_traffic(server, tok), _mixed_traffic(host_tier_server, tok)
     assert sum(r["replayed"] for r in host) > 0 and sum(r["cached"] for r in host) > 0
     assert host == device
@@ -170,16 +182,16 @@ def test_host_tier_serves_exactly_what_the_device_tier_serves(server, host_tier_
 
 
 @pytest.fixture(scope="module")
-def float8_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS, "--tail-replay-hidden-dtype", "float8_e4m3fn")
+def float8_server(servers):
+    return servers["float8"]
 
 
-def test_float8_hiddens_hit_alike_and_stay_close_to_float32_hiddens(server, float8_server, hf):
+def test_float8_hiddens_hit_alike_and_stay_close_to_float32_hiddens(server, float8_server, hf_qwen35):
     """`--tail-replay-hidden-dtype float8_e4m3fn` (e4m3 + a float32 scale per token): the same hits and replays as
     float32 hiddens; the whole-prefix replay from rounded hiddens moves the hit's logprobs, a little. Measured on this
     model: max |delta logprob| 1.5e-3 over the 9 scored positions (below stock's own hit-vs-prefill noise on long
     random models, 0.005-0.016); the bound leaves ~7x."""
-    model, tok = hf
+    model, tok = hf_qwen35
     f32, f8 = _mixed_traffic(server, tok), _mixed_traffic(float8_server, tok)
     assert [(r["cached"], r["replayed"]) for r in f8] == [(r["cached"], r["replayed"]) for r in f32]
     assert sum(r["replayed"] for r in f8) > 0
@@ -191,17 +203,14 @@ def test_float8_hiddens_hit_alike_and_stay_close_to_float32_hiddens(server, floa
 
 
 @pytest.fixture(scope="module")
-def ratio_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-exact-budget", "0",
-                            "--tail-replay-ratio", "0.25",
-                            "--tail-replay-min-tokens", "8", "--tail-replay-max-tokens", "12",
-                            "--chunked-prefill-size", "32", max_total_tokens=768)
+def ratio_server(servers):
+    return servers["ratio"]
 
 
-def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server, hf):
+def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server, hf_qwen35):
     """k = clamp(ceil(r*m), min, max); with a 32-token prefill chunk the extend after the hit spans several chunks
     and only the first one replays (the others continue the request's live state)."""
-    _, tok = hf
+    _, tok = hf_qwen35
     base = tok(SYSTEM).input_ids
     generate(ratio_server, base, max_new_tokens=1)
     for cut, expected in ((20, 8), (40, 10), (len(base), 12)):
@@ -213,12 +222,12 @@ def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio
         assert len(out["output_ids"]) == 3
 
 
-def test_long_system_prompt_with_long_suffixes_through_chunked_prefill(server, hf):
+def test_long_system_prompt_with_long_suffixes_through_chunked_prefill(server, hf_qwen35):
     """A 1024-token system prompt and suffixes of 40 / 200 / 600 tokens; with 128-token prefill chunks both the
     cold prefill and the extend after each hit are chunked, and every hit is exact."""
     import random
 
-    model, _ = hf
+    model, _ = hf_qwen35
     rng = random.Random(1)
     system = [rng.randrange(3, 500) for _ in range(1024)]
     flush(server)
@@ -246,11 +255,11 @@ def test_openai_multi_turn_chat_reuses_the_conversation(server):
         assert usage["prompt_tokens_details"]["cached_tokens"] >= previous["prompt_tokens"]
 
 
-def test_frontend_program_with_fork(server, hf):
+def test_frontend_program_with_fork(server, hf_qwen35):
     """An SGLang frontend program (`sgl.function`) that forks after a shared prefix: every branch hits it."""
     import sglang as sgl
 
-    _, tok = hf
+    _, tok = hf_qwen35
     flush(server)
     metas = run_forked_program(sgl.RuntimeEndpoint(server.base_url), SYSTEM, "what happened?")  # stock: 0 cached
     prefix_len = len(tok(SYSTEM + " what happened?").input_ids)
@@ -258,10 +267,10 @@ def test_frontend_program_with_fork(server, hf):
     assert len(cached) == 3 and all(c >= prefix_len - 1 for c in cached), (cached, prefix_len)
 
 
-def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_server, hf):
+def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_server, hf_qwen35):
     """A 768-token pool: a workload of ~2.5K distinct tokens must evict, and a client that drops a streaming
     request must not leak; the server runs SGLang's strict idle leak check, so a lost slot would crash it."""
-    _, tok = hf
+    _, tok = hf_qwen35
     prompts = [tok(f"request {i}: " + SYSTEM[i:] + f" number {i}").input_ids for i in range(30)]
     for ids in prompts:
         generate(ratio_server, ids, max_new_tokens=2)
@@ -278,17 +287,17 @@ def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_serv
     assert requests.get(f"{ratio_server.base_url}/health", timeout=30).status_code == 200
 
 
-def test_qwen3next_hits_match_no_cache(tiny_qwen3next, tmp_path_factory):
+def test_qwen3next_hits_match_no_cache(tiny_qwen3next, servers):
     """Qwen3-Next (MoE FFN, its own q/k/v/z layout) through the same replay path, exact at ratio 1."""
     model = load_hf_model(tiny_qwen3next)
     tok = AutoTokenizer.from_pretrained(tiny_qwen3next)
     base = tok(SYSTEM).input_ids
-    for srv in start_server(tiny_qwen3next, tmp_path_factory, *EXACT_FLAGS):
-        generate(srv, base, max_new_tokens=1)
-        for ids, cached in ((base, len(base) - 1), (base[:17] + tok(" another branch").input_ids, 17)):
-            out = generate(srv, ids)
-            assert out["meta_info"]["cached_tokens"] == cached
-            assert out["output_ids"] == greedy_generate(model, ids, NEW)
+    srv = servers["qwen3next"]
+    generate(srv, base, max_new_tokens=1)
+    for ids, cached in ((base, len(base) - 1), (base[:17] + tok(" another branch").input_ids, 17)):
+        out = generate(srv, ids, NEW)
+        assert out["meta_info"]["cached_tokens"] == cached
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
 def _suffix_logprob_error(server, model, ids, start) -> float:
@@ -301,20 +310,18 @@ def _suffix_logprob_error(server, model, ids, start) -> float:
     return max(abs(lp - reference[pos - 1]) for pos, lp in served)
 
 
-def test_error_ordering_zero_above_ratio_above_full(server, hf, tiny_qwen35, tmp_path_factory):
+def test_error_ordering_zero_above_ratio_above_full(server, servers, hf_qwen35):
     """DESIGN invariant on a model whose GDN heads remember for tens to hundreds of tokens (the builder's gates):
     error(zero states) > error(r = 0.1) > error(r = 1) ~ 0, on the suffix after a 560-token hit."""
     import random
 
-    model, _ = hf
+    model, _ = hf_qwen35
     rng = random.Random(0)
     ids, start = [rng.randrange(3, 500) for _ in range(600)], 560
     errors = {}
-    for name, flags in (("zero", ("--tail-replay-mode", "zero")),
-                        ("r=0.1", ("--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1"))):
-        for srv in start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-exact-budget",
-                                "0", *flags):
-            errors[name] = _suffix_logprob_error(srv, model, ids, start)
+    for name in ("zero", "r=0.1"):
+        flush(servers[name])
+        errors[name] = _suffix_logprob_error(servers[name], model, ids, start)
     flush(server)
     errors["full"] = _suffix_logprob_error(server, model, ids, start)
     assert errors["zero"] > 2 * errors["r=0.1"] > 2 * errors["full"], errors

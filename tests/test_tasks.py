@@ -1,4 +1,4 @@
-"""The RULER-style task generators (tailreplay_sglang/eval/tasks.py): deterministic, of the requested length, with each
+"""The RULER-style task generators (tailreplay_eval/tasks.py): deterministic, of the requested length, with each
 answer where the question says it is, the cache boundary at the end of the context, and a score of 1 for the target
 and 0 for a wrong answer."""
 
@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from tailreplay_sglang.eval import tasks
-from tailreplay_sglang.eval.corpus import sentence
-from tailreplay_sglang.eval.models import PRESETS, preset_tokenizer
+from tailreplay_eval import tasks
+from tailreplay_eval.corpus import sentence
+from tailreplay_eval.models import PRESETS, preset_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tailreplay_sglang.eval import tasks
-from tailreplay_sglang.eval.training import (
+from tailreplay_eval import tasks
+from tailreplay_eval.training import (
     ANSWER, CONTEXT, COPY_ALPHABET, IGNORE, REPEAT, Stages, TrainConfig, copy_alphabet, copy_order, encode,
     length_range, make_batch, train,
 )
@@ -66,7 +66,7 @@ def test_a_run_continues_from_an_exported_model_straight_into_the_task_mix(tmp_p
 def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from tailreplay_sglang.eval.models import build_model
+    from tailreplay_eval.models import build_model
 
     return AutoTokenizer.from_pretrained(build_model("quality-qwen35", tmp_path_factory.mktemp("init")))
 
@@ -138,7 +138,7 @@ def test_copy_drills_repeat_a_segment_then_stay_in_the_task_mix(tok):
 def test_a_recall_drill_asks_every_fact_it_holds(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from tailreplay_sglang.eval.models import PRESETS, preset_tokenizer
+    from tailreplay_eval.models import PRESETS, preset_tokenizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=preset_tokenizer(PRESETS["quality-qwen35"]))
     context, questions = tasks.recall_drill(random.Random(0), tok, 1024, facts=12)

@@ -1,4 +1,4 @@
-"""bench/ttft_gpu.py at --small sizes on CPU, and tailreplay_sglang.transfer's CPU behaviour.
+"""bench/ttft_gpu.py at --small sizes on CPU, and tailreplay_sglang.store.transfer's CPU behaviour.
 
 The GPU run itself (streams, events, pinned copies, fla) needs a CUDA device; here the same code runs with
 synchronous copies, which pins down everything but the timing: the table's layout, the JSON, the ratio-1 check, and
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailreplay_sglang.transfer import HostToDevice, copy_all_blocking, pin
+from tailreplay_sglang.store.transfer import HostToDevice, copy_all_blocking, pin
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "ttft_gpu.py"
@@ -67,7 +67,7 @@ def test_check_with_triton_replay_kernels_interpreted(tmp_path):
     assert result["check"]["passed"] and result["check"]["ser_equals_ovl"] and result["rows"] == []
 
 
-# ---- transfer.py on CPU ----
+# ---- store/transfer.py on CPU ----
 
 def _host_tensors():
     return {"ids": torch.arange(10), ("hidden", 1): torch.randn(10, 8), 3: torch.randn(2, 2, 10, 4),

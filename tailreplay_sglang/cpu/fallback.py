@@ -8,17 +8,19 @@ changes nothing where the real packages are installed (the GPU route):
 - `torchvision` (and submodules) -> a stub. SGLang's config package imports torchvision for vision models'
   preprocessing; PyPI's torchvision is a CUDA build that cannot load beside CPU torch, and text models never use it.
 
-It must run in every process (SGLang spawns its scheduler before any plugin can act), hence the .pth file. This
-module imports nothing heavy: torch is imported only when `sgl_kernel` is actually requested.
+It must run in every process (SGLang spawns its scheduler before any plugin can act), hence the .pth file. It is
+inert unless SGLang can only run its CPU engine: it serves nothing unless `SGLANG_USE_CPU_ENGINE=1` or the installed
+torch is a CPU-only build (so a GPU install missing sgl-kernel fails as stock SGLang does), nor with
+`TAILREPLAY_DISABLE_CPU_FALLBACK=1`; see `serves`. It can
+never break an import: if setting up the shim fails, the module still loads, as stubs that raise on use, and a
+warning says why. This module imports nothing heavy: torch is imported only when `sgl_kernel` is actually requested.
 """
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 import types
-
-DISABLE_ENV = "TAILREPLAY_DISABLE_CPU_FALLBACK"
+import warnings
 
 
 class _StubModule(types.ModuleType):
@@ -65,24 +67,46 @@ class _FallbackLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__path__ = []  # a package, so any submodule import comes back to this finder
         module.__tailreplay_fallback__ = True
-        if module.__name__ == "sgl_kernel":
-            from tailreplay_sglang.cpu import sgl_kernel_shim
+        try:
+            _fill(module)
+        except Exception as e:  # a changed torch or SGLang must not break `import sglang`: stubs only, and say why
+            warnings.warn(f"tailreplay_sglang CPU fallback: {module.__name__} is served as stubs only ({e!r})",
+                          RuntimeWarning, stacklevel=2)
 
-            sgl_kernel_shim.register_torch_ops()
-            module.__version__ = "0.0.0+tailreplay.cpu"
-        elif module.__name__ == "sgl_kernel.mamba":
-            from tailreplay_sglang.cpu import sgl_kernel_shim
 
-            module.__dict__.update(sgl_kernel_shim.MAMBA_FUNCTIONS)
-        elif module.__name__ == "torchvision":
-            module.__version__ = "0.0.0+tailreplay.stub"
+def _fill(module) -> None:
+    """The shim's functions and torch ops on a served module."""
+    if module.__name__ == "torchvision":
+        module.__version__ = "0.0.0+tailreplay.stub"
+        return
+    from tailreplay_sglang.cpu import sgl_kernel_shim
+
+    if module.__name__ == "sgl_kernel":
+        module.__version__ = "0.0.0+tailreplay.cpu"
+        sgl_kernel_shim.register_torch_ops()
+    elif module.__name__ == "sgl_kernel.mamba":
+        module.__dict__.update(sgl_kernel_shim.MAMBA_FUNCTIONS)
+
+
+def serves() -> bool:
+    """Whether missing packages are served: on SGLang's CPU engine, or where torch cannot drive a GPU anyway."""
+    from tailreplay_sglang.config import cpu_engine_requested, cpu_fallback_disabled
+
+    return not cpu_fallback_disabled() and (cpu_engine_requested() or _cpu_only_torch())
+
+
+def _cpu_only_torch() -> bool:
+    import torch  # asked only for a missing sgl_kernel / torchvision, which SGLang imports after torch
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 class CpuFallbackFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         # Other sgl_kernel submodules stay missing: SGLang guards those imports with `except ImportError`.
         if fullname in ("sgl_kernel", "sgl_kernel.mamba") or fullname.partition(".")[0] == "torchvision":
-            return importlib.machinery.ModuleSpec(fullname, _FallbackLoader(), is_package=True)
+            if serves():
+                return importlib.machinery.ModuleSpec(fullname, _FallbackLoader(), is_package=True)
         return None
 
 
@@ -93,7 +117,5 @@ def is_active(module_name: str = "sgl_kernel") -> bool:
 
 
 def install() -> None:
-    if os.environ.get(DISABLE_ENV) == "1":
-        return
     if not any(isinstance(f, CpuFallbackFinder) for f in sys.meta_path):
         sys.meta_path.append(CpuFallbackFinder())

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from tailreplay_sglang.cpu import conv, fused, gdn
+from tailreplay_sglang.cpu import fused
+from tailreplay_sglang.ops import conv, gdn
 
 _LIB = "sgl_kernel"
 
@@ -37,20 +38,13 @@ class UnavailableKernel:
 
 # ---- sgl_kernel.mamba (plain Python functions, called positionally or by keyword) ----
 
-class StateCheckpoints:
-    """Mid-sequence states the prefill ops below also write, {slot: [(offset, destination slot), ...]}: set for
-    each prefill forward by Tail-Replay's interval anchors (`tailreplay_sglang/anchors.py`), empty otherwise."""
-
-    by_slot: dict[int, list[tuple[int, int]]] = {}
-
-
-STATE_CHECKPOINTS = StateCheckpoints()
-
+# `state_checkpoints` ({slot: [(offset, destination slot)]}: mid-sequence states to write as well) is not
+# sgl-kernel's: SGLang never passes it; Tail-Replay's interval anchors do, through their hooks on SGLang's call sites.
 
 def causal_conv1d_fn_cpu(mixed_qkv_transposed, conv_weights, bias, activation, conv_states, has_initial_state,
-                         cache_indices, query_start_loc, seq_lens_cpu=None, **unused):
+                         cache_indices, query_start_loc, seq_lens_cpu=None, state_checkpoints=None, **unused):
     return conv.causal_conv1d_fwd(mixed_qkv_transposed, conv_weights, bias, conv_states, query_start_loc,
-                                  cache_indices, has_initial_state, activation, STATE_CHECKPOINTS.by_slot)
+                                  cache_indices, has_initial_state, activation, state_checkpoints)
 
 
 def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None, **unused):
@@ -58,11 +52,12 @@ def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activat
 
 
 def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head_first=False,
-                               use_qk_l2norm_in_kernel=False, initial_state_indices=None, **unused):
+                               use_qk_l2norm_in_kernel=False, initial_state_indices=None, state_checkpoints=None,
+                               **unused):
     if head_first:
         raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first=True is not supported")
     o, final_state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
-                                                use_qk_l2norm_in_kernel, checkpoints=STATE_CHECKPOINTS.by_slot)
+                                                use_qk_l2norm_in_kernel, checkpoints=state_checkpoints)
     return o, final_state, None  # no per-chunk states (h), like sgl-kernel's CPU op
 
 

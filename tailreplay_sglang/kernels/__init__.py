@@ -6,7 +6,7 @@
 - `gdn`: GDN replay from the recurrent state in each tail's mamba slot, gating and q/k l2-norm fused, final states
   written back into the slots; `state_only=True` is the variant for a group's last GDN layer.
 - `replay`: one GDN layer's replay (conv, then GDN): Triton for CUDA tensors, the torch ops of
-  `tailreplay_sglang.cpu` on CPU.
+  `tailreplay_sglang.ops` on CPU.
 
 A slot holds zeros after SGLang cleared it (the paper's zero-init replay) or an anchor's states copied into it
 (anchored replay: anchor prefix + tail then equal the whole sequence replayed from zero).

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailreplay_sglang.cpu.naive import naive_causal_conv1d
+from tailreplay_sglang.ops.naive import naive_causal_conv1d
 
 BLOCK_T, BLOCK_D = 32, 128
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailreplay_sglang.cpu.naive import naive_recurrent_gated_delta_rule
+from tailreplay_sglang.ops.naive import naive_recurrent_gated_delta_rule
 
 CHUNK_SIZE = 16
 BLOCK_V = 32

@@ -2,7 +2,7 @@
 
 `replay_gdn_layer` is what the replay pass calls for every GDN layer of a group (with `state_only=True` for the
 group's last one, whose outputs nobody reads). CUDA tensors go through the Triton kernels of this package; CPU
-tensors through the torch ops of `tailreplay_sglang.cpu` (chunked, not per token), so the same pass runs on any CPU.
+tensors through the torch ops of `tailreplay_sglang.ops` (chunked, not per token), so the same pass runs on any CPU.
 Layer sizes come from the pool shapes: `ssm_states` is `[slots, HV, V, K]` and `mixed_qkv` packs q | k | v as
 SGLang does (`conv_dim = 2 H K + HV V`).
 
@@ -13,8 +13,8 @@ same outputs and final states as the whole sequence from zero).
 
 import torch
 
-from tailreplay_sglang.cpu import conv as cpu_conv
-from tailreplay_sglang.cpu import gdn as cpu_gdn
+from tailreplay_sglang.ops import conv as cpu_conv
+from tailreplay_sglang.ops import gdn as cpu_gdn
 
 from .conv import naive_replay_causal_conv1d, replay_causal_conv1d
 from .gdn import gdn_replay_fwd, naive_gdn_replay
@@ -64,7 +64,7 @@ def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_b
 
 def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
                            ssm_states, state_only=False, beta_scale=1.0):
-    """`replay_gdn_layer` on the torch ops of tailreplay_sglang.cpu (the CPU path); same arguments."""
+    """`replay_gdn_layer` on the torch ops of tailreplay_sglang.ops (the CPU path); same arguments."""
     # both ops read each tail's slot before writing it: the conv its left context (every tail has one, zeros or an
     # anchor's), chunk_gated_delta_rule its initial state, with the final state written back into the pool
     from_slot = torch.ones(len(slots), dtype=torch.bool)

@@ -4,7 +4,7 @@ SGLang's GDN kernels compute beta = sigmoid(b) themselves. Prefill takes g and b
 (`_prefill_gates`), so scaling beta there keeps SGLang's conv, chunked kernel, state tracking and radix-cache
 checkpoints as they are. Decode fuses the gating into the recurrent kernel, so a decode step here computes g and
 beta first and runs the recurrent kernel that takes them explicitly (fla's `fused_recurrent_gated_delta_rule_update`
-on GPU, `tailreplay_sglang.cpu.gdn` on CPU). No other part of the backend changes.
+on GPU, `tailreplay_sglang.ops.gdn` on CPU). No other part of the backend changes.
 """
 
 import torch
@@ -29,7 +29,7 @@ class ScaledBetaDecode:
 
     def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, **kwargs):
         if is_cpu():
-            from tailreplay_sglang.cpu import gdn
+            from tailreplay_sglang.ops import gdn
 
             return gdn.recurrent_gated_delta_rule_update(
                 A_log, dt_bias, q, k, v, a, b, ssm_states, cache_indices, query_start_loc,

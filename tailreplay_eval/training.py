@@ -1,6 +1,6 @@
 """Train the quality-evaluation model: a small Qwen3.5 hybrid that must use its context, on RULER-style tasks.
 
-    python -m tailreplay_sglang.eval.training --out models/quality-qwen35          # resumes from --work if it can
+    python -m tailreplay_eval.training --out models/quality-qwen35          # resumes from --work if it can
 
 Random-weight models forget their GDN state within a token (`../shared/notes/gdn-replay-probe.md`), so replay looks
 exact on them and a quality evaluation says nothing. This model is trained on the task suites of `tasks.py` (other
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from tailreplay_sglang.eval import tasks
-from tailreplay_sglang.eval.models import BUILD_MARKER, build_model
-from tailreplay_sglang.eval.reference import force_torch_gdn, greedy_generate
+from tailreplay_eval import tasks
+from tailreplay_eval.models import BUILD_MARKER, build_model
+from tailreplay_eval.reference import force_torch_gdn, greedy_generate
 
 PRESET = "quality-qwen35"
 TRAIN_SEED_OFFSET = 1_000_000  # training samples use seeds far from the evaluation's (bench/quality.py: 0..)

@@ -19,9 +19,9 @@ import logging
 
 import torch
 
-from tailreplay_sglang.hidden_codec import codec_for
+from tailreplay_sglang.store.codec import codec_for
 from tailreplay_sglang.layout import HybridLayout
-from tailreplay_sglang.transfer import DeviceToHostWriteBack, HostToDevice, pin
+from tailreplay_sglang.store.transfer import DeviceToHostWriteBack, HostToDevice, pin
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""A hit between its match (`cache.py`) and its replay (`replay.py`): what was matched, from where it replays."""
+"""A hit between its match (`cache/component.py`) and its replay (`replay.py`): what was matched, from where it
+replays."""
 
 from dataclasses import dataclass
 

@@ -1,7 +1,10 @@
 """GDN replay kernels at Qwen3.5-4B's GDN shapes against a floor measured on this machine (docs/perf.md).
 
-    python bench/kernels.py [--device auto|cpu|cuda] [--lengths 256 1024 4096] [--requests 1 4]
-                            [--per-token-tokens 256] [--passes 3] [--threads N] [--out runs/kernels.json]
+    python bench/kernel_bench.py [--device auto|cpu|cuda] [--lengths 256 1024 4096] [--requests 1 4]
+                                 [--per-token-tokens 256] [--passes 3] [--threads N] [--out runs/kernels.json]
+
+Where this package is not installed (a GPU machine), run it from the repository root as
+`PYTHONPATH=. python bench/kernel_bench.py ...` (or `pip install -e . --no-deps` first).
 
 One GDN layer (16 key heads, 32 value heads, K = V = 128) replays N tails of k tokens each from zero state and
 writes the final states into mamba slots. Variants:
@@ -9,7 +12,7 @@ writes the final states into mamba slots. Variants:
   state, gating and l2norm in kernel, states then scattered into the slots), and the per-token loop;
 - CPU (float32): the chunked torch replay state-only and with outputs, and the per-token loop; the grid runs
   --passes times and each cell keeps its best time, as other work on a shared CPU comes in bursts.
-The per-token loop is the decode op (`tailreplay_sglang.cpu.gdn.recurrent_gated_delta_rule_update`, all tails
+The per-token loop is the decode op (`tailreplay_sglang.ops.gdn.recurrent_gated_delta_rule_update`, all tails
 advance one token per step); it runs on at most --per-token-tokens tokens per tail and is scaled linearly to k.
 Floor = max(bytes moved / copy bandwidth, chunk-form FLOPs / matmul rate), both measured here; a state-only
 variant is compared with the state-only floor, the others with the floor that includes the outputs.
@@ -22,21 +25,20 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tailreplay_sglang.kernels import gdn_replay_fwd, gdn_replay_torch
+from tailreplay_sglang.ops import gdn as cpu_gdn
+
+# Not named kernels.py: Python puts a script's folder first on the module search path, where a bench/kernels.py
+# would shadow the `kernels` package that SGLang depends on (transformers and SGLang's FA3 loader import it) for
+# every script run from bench/.
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: this file is named kernels.py and Python puts its folder first on sys.path, where it would shadow the
-# `kernels` package that SGLang depends on (transformers imports it); the repository root takes that place.
-sys.path[0] = str(ROOT)
-
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from tailreplay_sglang.cpu import gdn as cpu_gdn  # noqa: E402
-from tailreplay_sglang.kernels import gdn_replay_fwd, gdn_replay_torch  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 FLOOR_CHUNK = 64  # chunk length of the chunk-form FLOP count

@@ -1,6 +1,6 @@
 """Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
 
-    python -m tailreplay_sglang.eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
+    python -m tailreplay_eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
 Everything is made locally: a byte-level BPE tokenizer trained on a generated English corpus, a config written
 for both libraries, and weights drawn by the HF model class from a fixed seed. A directory that already holds
@@ -21,8 +21,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from tailreplay_sglang.eval.corpus import training_corpus
-from tailreplay_sglang.eval.tasks import vocabulary_texts
+from tailreplay_eval.corpus import training_corpus
+from tailreplay_eval.tasks import vocabulary_texts
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
 BUILDER_VERSION = 4
@@ -100,7 +100,7 @@ PRESETS: dict[str, Preset] = {
         model_type="qwen3_5_moe_text", **TINY,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
-    # The quality-evaluation model (`tailreplay_sglang.eval.training`): trained on RULER-style tasks, ~2M parameters.
+    # The quality-evaluation model (`tailreplay_eval.training`): trained on RULER-style tasks, ~2M parameters.
     "quality-qwen35": Preset(
         model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=128, intermediate_size=256, vocab_size=1408,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32,

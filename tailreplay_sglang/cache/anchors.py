@@ -4,7 +4,9 @@ the radix tree like the ones SGLang keeps where a request or a prefill chunk end
 The states come from inside the chunked GDN prefill, which computes the state at every 64-token chunk boundary
 anyway: before a prefill forward, each exact request gets a mamba slot per anchor at extend start + N, + 2N, ...
 (short of the extend's end, which the chunk-end anchor covers), and the CPU prefill ops write the conv and SSM state
-there into that slot, layer by layer (`cpu/sgl_kernel_shim.STATE_CHECKPOINTS`). Prefill chunks keep their size.
+there into that slot, layer by layer: `IntervalAnchors.plan` makes the plan (`by_slot`), and the runtime's hooks on
+SGLang's two CPU prefill call sites hand it to the ops (`lifecycle.write_anchor_states`). Prefill chunks keep their
+size.
 A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend): together with the
 anchor it replayed from (within the budget) and the ones every N tokens after it, every point of its path has an
 anchor at most max(budget, N) tokens back, and the next request branching at the same point replays nothing.
@@ -23,13 +25,13 @@ ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken i
 def capture_available() -> bool:
     """Whether SGLang's GDN prefill runs on this package's torch ops (the CPU fallback), the ones that take
     checkpoints."""
-    from tailreplay_sglang.cpu import sgl_kernel_shim
+    from tailreplay_sglang.cpu import fallback
 
     try:
-        import sgl_kernel.mamba as mamba
+        import sgl_kernel.mamba  # noqa: F401  (served by the fallback where the real package is missing)
     except ImportError:
         return False
-    return getattr(mamba, "chunk_gated_delta_rule_cpu", None) is sgl_kernel_shim.chunk_gated_delta_rule_cpu
+    return fallback.is_active("sgl_kernel.mamba")
 
 
 def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]:
@@ -42,9 +44,10 @@ def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]
 
 
 class IntervalAnchors:
-    def __init__(self, interval: int, checkpoints):
+    def __init__(self, interval: int):
         self.interval = interval
-        self.checkpoints = checkpoints  # cpu.sgl_kernel_shim.STATE_CHECKPOINTS
+        # {physical slot of a request: [(offset, physical anchor slot)]} for the prefill forward being run
+        self.by_slot: dict[int, list[tuple[int, int]]] = {}
 
     def plan(self, reqs, pool, tree_cache, is_exact, replayed_hits) -> None:
         """Before a prefill forward (scheduler side): slots for the anchors of every exact request, and where the ops
@@ -71,7 +74,7 @@ class IntervalAnchors:
             physical = pool.translate_mamba_indices(slots)
             source = int(pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(1))[0])
             by_slot[source] = [(off, int(dst)) for off, dst in zip(cuts, physical)]
-        self.checkpoints.by_slot = by_slot
+        self.by_slot = by_slot
 
     def commit(self, cache, req) -> None:
         """After SGLang inserted [0, cache_protected_len) of the request: insert each anchor within it at its depth;

@@ -107,15 +107,17 @@ class ServerProcess:
                     return self
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout:.0f} s{self._log_tail()}")
 
     def _ready(self) -> bool:
         return requests.get(f"{self.base_url}/health", timeout=5).status_code == 200
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL whatever is left."""
+    def stop(self, grace: float = 2.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left after `grace` seconds. The servers
+        started here hold nothing worth a graceful exit (SGLang's own shutdown takes about 7 s), and on two cores
+        the tests and benchmarks start and stop dozens of them."""
         if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):

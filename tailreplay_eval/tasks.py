@@ -28,7 +28,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from tailreplay_sglang.eval.corpus import sentence, training_corpus
+from tailreplay_eval.corpus import sentence, training_corpus
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa")
 

@@ -1,5 +1,6 @@
-"""Shared by bench/ttft.py and bench/workloads.py: several real SGLang servers up at once, prompts made of random
-token ids, what the server has seen (for matchable tokens), timing summaries and the facts of the machine."""
+"""What the serving benchmarks in bench/ share (ttft, workloads, load, quality, survival, rollouts, router,
+profile_load): several real SGLang servers up at once, prompts made of random token ids, what the server has seen
+(for matchable tokens), timing summaries and the facts of the machine."""
 
 import contextlib
 import json
@@ -19,14 +20,12 @@ from pathlib import Path
 import numpy as np
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from shared_prefix import stream_generate  # noqa: E402,F401  (re-exported: the one streaming client of bench/)
-from tailreplay_sglang.eval.models import build_model  # noqa: E402
-from tailreplay_sglang.eval.server import ServerProcess, flush_cache  # noqa: E402,F401  (flush_cache: re-exported)
+from tailreplay_eval.models import build_model
+from tailreplay_eval.server import ServerProcess, flush_cache  # noqa: F401  (flush_cache: re-exported)
 
-# CPU_FLAGS (tailreplay_sglang/eval/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
+ROOT = Path(__file__).resolve().parents[1]
+
+# CPU_FLAGS (tailreplay_eval/server.py) include --sleep-on-idle: an idle scheduler otherwise busy-polls a whole
 # core (measured: 10 CPU-seconds in 10 s), which would slow down whichever of the servers is being measured.
 # Token ids 0-2 are the chat special tokens (models.py); random prompts use the rest of the vocabulary.
 FIRST_ID = 3

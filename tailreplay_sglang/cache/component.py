@@ -8,10 +8,12 @@ the matched path that holds a state, the anchor at depth c:
   [c, m) from it (exact);
 - otherwise (or with no anchor) a fresh, cleared slot and the paper's zero-init tail (approximate).
 Requests whose state is exact donate it to the tree as stock no_buffer does (where they end, where each prefill
-chunk ends); interval anchors are added by `anchors.py`. An approximate state is never stored. States are evicted by
-SGLang's mamba LRU; evicting one keeps the node's KV, which still hits through the zero-init tail. With an exact
-budget of 0 no node ever holds a state: the paper's pure mode.
+chunk ends); interval anchors are added by `cache/anchors.py`. An approximate state is never stored. States are
+evicted by SGLang's mamba LRU; evicting one keeps the node's KV, which still hits through the zero-init tail. With an
+exact budget of 0 no node ever holds a state: the paper's pure mode.
 """
+
+import functools
 
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -19,8 +21,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURe
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.layout import SUPPORTED
-from tailreplay_sglang.pending import Match
-from tailreplay_sglang.state import RuntimeState
+from tailreplay_sglang.cache.pending import Match
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
 MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be rebuilt before its extend
@@ -34,6 +35,12 @@ def is_exact(req) -> bool:
 
 
 class TailReplayMambaComponent(MambaComponent):
+    """SGLang builds its components as `cls(cache, params)`; the backend factory binds our runtime first."""
+
+    def __init__(self, cache, params, runtime):
+        super().__init__(cache, params)
+        self.runtime = runtime
+
     def create_match_validator(self, match_device_only: bool = False):
         return lambda node: True  # states are rebuilt, so any node with KV (FULL's validator) ends a match
 
@@ -50,7 +57,7 @@ class TailReplayMambaComponent(MambaComponent):
     def deepest_anchor(self, node, depth: int):
         """(node, depth) of the deepest node holding a device state on the path ending at `node` (at `depth`),
         or (None, 0). No anchor is ever used with an exact budget of 0."""
-        if not RuntimeState.config.anchored:
+        if not self.runtime.config.anchored:
             return None, 0
         ct = self.component_type
         while node is not None and node is not self.tree_core.root_node:
@@ -65,7 +72,7 @@ class TailReplayMambaComponent(MambaComponent):
         # A request that already holds a slot (chunked prefill, checkpoint re-match) keeps its live state.
         if not params.cow_mamba or req is None or req.kv.holds_mamba:
             return result
-        config, m = RuntimeState.config, result.device_prefix_len
+        config, m = self.runtime.config, result.device_prefix_len
         # With no state on the path, the root's zero state is the anchor: replaying [0, m) from a cleared slot is
         # exact too, and within the budget it is the cheapest exact start there is.
         anchor, c = self.deepest_anchor(self.tree_core.node_by_id(result.best_match_node), m)
@@ -99,7 +106,7 @@ class TailReplayMambaComponent(MambaComponent):
         req.kv.mamba_needs_clear = False
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        if RuntimeState.config.anchored and is_exact(req):
+        if self.runtime.config.anchored and is_exact(req):
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         insert_params.mamba_value = None  # an approximate state is never an anchor
         return token_ids_len
@@ -109,14 +116,14 @@ class TailReplayMambaComponent(MambaComponent):
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-        if RuntimeState.config.anchored and is_exact(req):
+        if self.runtime.config.anchored and is_exact(req):
             return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)
 
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
         if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None:
-            RuntimeState.count_evicted_anchor()
+            self.runtime.count_evicted_anchor()
         return super().evict_component(node, device_frees, host_frees, cache_actions, target)
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
@@ -139,10 +146,13 @@ class TailReplayMambaComponent(MambaComponent):
         return None
 
 
-def create_tail_replay_cache(ctx):
+def create_tail_replay_cache(runtime, ctx):
+    """The backend factory SGLang's `create_tree_cache` calls (`hooks.py` binds `runtime`): its own unified radix
+    cache with our MAMBA component."""
     if not ctx.is_hybrid_ssm:
         raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers. "
                          f"Supported: {SUPPORTED}")
+    component = functools.partial(TailReplayMambaComponent, runtime=runtime)
     ctx.params.component_registry_override = {
-        **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: TailReplayMambaComponent}
+        **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: component}
     return create_unified_radix_cache(ctx)

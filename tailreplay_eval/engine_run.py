@@ -1,6 +1,6 @@
 """Run a scripted workload through `sglang.Engine` in a process of its own (tests/test_python_api.py).
 
-    python -m tailreplay_sglang.eval.engine_run SPEC.json OUT.json
+    python -m tailreplay_eval.engine_run SPEC.json OUT.json
 
 Its own process because `Engine.shutdown()` kills every child process of the process it runs in (SGLang's
 `kill_process_tree(os.getpid(), include_parent=False)`), which in a test run would take the shared servers down too.

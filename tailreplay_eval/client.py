@@ -1,0 +1,42 @@
+"""The client side of the serving benchmarks: greedy streaming `/generate` with its time to first token, and the
+word documents and chat prompts the text workloads are made of (bench/shared_prefix.py, bench/workloads.py,
+bench/router.py)."""
+
+import json
+import random
+import time
+
+import requests
+
+WORDS = ("river stone lantern harbor signal garden copper window engine meadow silver orbit ladder canyon "
+         "thunder pocket marble violet anchor forest ember glacier compass falcon").split()
+
+
+def document(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def stream_generate(base_url: str, input_ids: list[int] | str, max_new_tokens: int) -> dict:
+    """Greedy /generate with streaming: returns output ids, meta_info and time to first token. A str is sent as
+    `text` (what sglang-router's cache-aware policy matches on)."""
+    prompt = {"text": input_ids} if isinstance(input_ids, str) else {"input_ids": input_ids}
+    body = {**prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    start, ttft, last = time.perf_counter(), None, None
+    with requests.post(f"{base_url}/generate", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            last = json.loads(line[5:])
+    return {"output_ids": last["output_ids"], "meta_info": last["meta_info"], "ttft_s": ttft}
+
+
+def chat_ids(tok, system: str, turns: list[tuple[str, str]]) -> list[int]:
+    messages = [{"role": "system", "content": system}]
+    for role, content in turns:
+        messages.append({"role": role, "content": content})
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids

@@ -1,0 +1,376 @@
+"""What each prefix cache keeps in memory, from a model's config and the server's flags.
+
+bench/memory.py prints this accounting; bench/ttft.py and bench/workloads.py print its table and put it in their
+JSON, so that reuse is weighed against what it costs (bench/load.py and bench/pareto.py use it too):
+- FA KV per cached token (stock and Tail-Replay alike);
+- Tail-Replay's stored hiddens per cached token (`hidden_store.bytes_per_token` at the server's hidden dtype:
+  `--tail-replay-hidden-dtype auto`, the default, is the serving dtype, resolved as SGLang resolves `--dtype`);
+- one mamba slot: the conv + SSM states of every GDN layer. Stock SGLang holds one per running request (three with
+  `extra_buffer`: two ping-pong track slots) and one per cached checkpoint (where a request or a prefill chunk
+  ends). Tail-Replay holds one per running request and, with anchored replay on (`--tail-replay-exact-budget` not
+  0), one per anchor: the same request-end and chunk-end states stock keeps, plus one every
+  `--tail-replay-anchor-interval N` tokens of a prefill. One anchor is exactly one mamba slot, so interval anchors
+  cost slot / N bytes per cached token. In paper mode (`--tail-replay-exact-budget 0`) it holds no slot per cached
+  prefix at all.
+
+Per cached token the table compares: stock (FA KV only, plus one slot per checkpoint), paper mode (KV + hiddens)
+and anchored replay at each interval N (KV + hiddens + slot / N). Anchors live in the mamba pool and SGLang's
+mamba LRU evicts them (the node keeps its KV and hits through the zero-init tail), so slot / N is the cost while
+every interval anchor is kept. Interval anchors are taken on the torch GDN prefill path (CPU) only for now; on a GPU
+only the request-end and chunk-end anchors are kept.
+
+The formulas are SGLang 0.5.23's own pool sizing, restated so that no server or parallel state is needed:
+`configs/mamba_utils.py` (`Mamba2StateShape.create`, `BaseLinearStateParams.mamba_cache_per_req`, conv dtype from
+`SGLANG_MAMBA_CONV_DTYPE`, default bfloat16; SSM dtype float32 unless the config or `SGLANG_MAMBA_SSM_DTYPE` says
+otherwise), the serving dtype of `configs/model_config._get_and_verify_dtype` (`--dtype auto`: the checkpoint's
+dtype, float16 for a float32 checkpoint), the KV dtype of `mem_cache/kv_cache_dtype.configure_kv_cache_dtype`
+(`--kv-cache-dtype auto`: the serving dtype) and the per-token KV cell of `DefaultPoolConfigurator._compute_cell_size`
+(K and V of every FA layer). All at TP 1. The server log shows the same numbers:
+`Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ... ssm_state size`.
+
+Qwen3.5-4B and Qwen3.6-27B are not read from the hub: their shapes are written by hand below (`HAND_WRITTEN`), as we
+know them from the published configs.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from tailreplay_sglang.store import hidden_store
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
+from tailreplay_sglang.plugin import add_cli_args, config_from_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float": torch.float32,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+
+ANCHOR_INTERVALS = (256, 512, 1024, 2048)  # the intervals tabulated unless the flags name one
+CHUNK_TOKENS = 4096  # prefill chunk of the prefix-cost example (stock no_buffer keeps one state per chunk)
+
+# The real models' shapes as we know them from their published config.json (text part), written by hand: there is
+# no hub access here. A checkpoint's own config.json (`--model-path`) always wins over these.
+HAND_WRITTEN_NOTE = ("Qwen3.5-4B and Qwen3.6-27B: shapes written by hand from the published configs as we know "
+                     "them, not read from a checkpoint")
+HAND_WRITTEN = {
+    "Qwen3.5-4B": {
+        "model_type": "qwen3_5_text", "hidden_size": 2560, "num_hidden_layers": 32, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "dtype": "bfloat16",
+    },
+    "Qwen3.6-27B": {
+        "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "full_attention_interval": 4,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "dtype": "bfloat16",
+    },
+}
+ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B")
+# --all without --server-args: each model served as it is here (the presets in float32 on the CPU) or in practice
+# (the real models in their checkpoint dtype).
+ALL_DEFAULT_ARGS = {"small": "--dtype float32", "quality-qwen35": "--dtype float32",
+                    "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto"}
+
+
+def _flag(flags: list[str], name: str, default: str | None = None) -> str | None:
+    """Value of `--name X` or `--name=X` in a server flag list (the last one wins, as in argparse)."""
+    value = default
+    for i, arg in enumerate(flags):
+        if arg == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _with_layer_types(config: dict) -> dict:
+    """The config with `layer_types` spelled out (from `full_attention_interval`, as SGLang's Qwen3-Next config
+    derives its layer pattern) where it does not list them."""
+    if config.get("layer_types"):
+        return config
+    interval, n = config.get("full_attention_interval"), config["num_hidden_layers"]
+    types = [FULL if interval and (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    return {**config, "layer_types": types}
+
+
+def _text_config(model_path: Path) -> dict:
+    """The text part of a checkpoint's config.json. A vision-language checkpoint keeps its dtype (and maybe
+    `mamba_ssm_dtype`) at the top level, which SGLang reads there: those come along."""
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    text = dict(raw.get("text_config", raw))
+    for key in ("dtype", "torch_dtype", "mamba_ssm_dtype"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    return text
+
+
+def preset_config(preset: str) -> dict:
+    """A preset's config from its spec in `tailreplay_eval/models.py`, without building it."""
+    from tailreplay_eval import models  # transformers: imported only when a preset is not built
+
+    p = models.PRESETS[preset]
+    return {
+        "model_type": p.model_type, "hidden_size": p.hidden_size, "num_hidden_layers": p.num_hidden_layers,
+        "layer_types": models.layer_types(p.num_hidden_layers),
+        "full_attention_interval": models.FULL_ATTENTION_INTERVAL,
+        "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.head_dim, "linear_num_key_heads": p.linear_num_key_heads,
+        "linear_num_value_heads": p.linear_num_value_heads, "linear_key_head_dim": p.linear_head_dim,
+        "linear_value_head_dim": p.linear_head_dim,
+        "linear_conv_kernel_dim": 4,  # as `models.model_config` writes it
+        "dtype": p.dtype,
+    }
+
+
+def resolve_model(model) -> tuple[str, dict, str]:
+    """(name, text config, where the config came from) for a checkpoint directory, a preset name (its build under
+    models/ if there is one, else its spec), a hand-written model name, or a config dict."""
+    if isinstance(model, dict):
+        return model.get("name", "config"), _with_layer_types(model), "config dict"
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path.name, _with_layer_types(_text_config(path)), str(path / "config.json")
+    name = str(model)
+    built = ROOT / "models" / name
+    if (built / "config.json").is_file():
+        return name, _with_layer_types(_text_config(built)), str((built / "config.json").relative_to(ROOT))
+    if name in HAND_WRITTEN:
+        return name, _with_layer_types(HAND_WRITTEN[name]), "hand-written shapes"
+    from tailreplay_eval.models import PRESETS
+
+    if name in PRESETS:
+        return name, preset_config(name), "preset spec (tailreplay_eval/models.py; not built)"
+    raise SystemExit(f"{model}: no config.json there, and not a preset or one of {', '.join(HAND_WRITTEN)}")
+
+
+def serving_dtype(config: dict, flags: list[str]) -> torch.dtype:
+    """The model's activation dtype: --dtype, and under 'auto' the checkpoint's, float32 downcast to float16
+    (bfloat16 for Gemma), as SGLang's `_get_and_verify_dtype` decides."""
+    dtype = _flag(flags, "--dtype", "auto").lower()
+    if dtype != "auto":
+        return DTYPES[dtype]
+    checkpoint = config.get("dtype") or config.get("torch_dtype")
+    checkpoint = DTYPES.get(checkpoint, torch.float32) if isinstance(checkpoint, str) else torch.float32
+    if checkpoint == torch.float32:
+        return torch.bfloat16 if config.get("model_type", "").startswith("gemma") else torch.float16
+    return checkpoint
+
+
+def kv_dtype(config: dict, flags: list[str]) -> torch.dtype:
+    """The KV pool's dtype: --kv-cache-dtype, else the serving dtype."""
+    kv = _flag(flags, "--kv-cache-dtype", "auto")
+    return serving_dtype(config, flags) if kv == "auto" else DTYPES[kv]
+
+
+def hidden_dtype(cfg: TailReplayConfig, config: dict, flags: list[str]) -> torch.dtype:
+    """The hidden store's dtype: --tail-replay-hidden-dtype, 'auto' being the serving dtype (as the server decides
+    it, `TailReplayConfig.hidden_torch_dtype(model_config.dtype)`)."""
+    return cfg.hidden_torch_dtype(serving_dtype(config, flags))
+
+
+@contextlib.contextmanager
+def _config_dir(config: dict):
+    """A directory holding `config` as config.json, for the plugin's flag parser (which reads the model's layout)."""
+    with tempfile.TemporaryDirectory(prefix="memory-config.") as d:
+        (Path(d) / "config.json").write_text(json.dumps(config))
+        yield Path(d)
+
+
+def tail_replay_config(model_path, flags: list[str]) -> TailReplayConfig:
+    """The Tail-Replay config a server started with these flags runs, parsed by the plugin's own flag parser."""
+    if isinstance(model_path, dict):
+        with _config_dir(model_path) as d:
+            return tail_replay_config(d, flags)
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cli_args(parser)
+    args, _ = parser.parse_known_args(list(flags))
+    args.model_path = str(model_path)
+    return config_from_args(args)
+
+
+def mamba_slot_bytes(config: dict, n_gdn_layers: int) -> dict:
+    """Bytes of one mamba slot (SGLang's `mamba_cache_per_req` at TP 1), split into conv and SSM states."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    conv_dim = value_heads * value_dim + 2 * key_heads * key_dim  # conv runs over cat(q, k, v)
+    conv_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_CONV_DTYPE", "bfloat16")]
+    ssm_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_SSM_DTYPE") or config.get("mamba_ssm_dtype") or "float32"]
+    conv = conv_dim * (config["linear_conv_kernel_dim"] - 1) * conv_dtype.itemsize
+    ssm = value_heads * value_dim * key_dim * ssm_dtype.itemsize
+    return {"conv_bytes": conv * n_gdn_layers, "ssm_bytes": ssm * n_gdn_layers,
+            "total_bytes": (conv + ssm) * n_gdn_layers, "conv_dtype": _dtype_name(conv_dtype),
+            "ssm_dtype": _dtype_name(ssm_dtype)}
+
+
+def anchor_intervals(cfg: TailReplayConfig, flags: list[str], intervals=None) -> tuple[int, ...]:
+    """The intervals to tabulate: those asked for, else the one the flags name, else ANCHOR_INTERVALS; none with
+    anchors off (exact budget 0), and none for an interval of 0 (request-end and chunk-end anchors only)."""
+    if not cfg.anchored:
+        return ()
+    if intervals is None:
+        named = _flag(flags, "--tail-replay-anchor-interval") is not None
+        intervals = (cfg.anchor_interval,) if named else ANCHOR_INTERVALS
+    return tuple(n for n in intervals if n > 0)
+
+
+def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
+    """Memory per cached token and per recurrent state for this model served with these flags.
+
+    `model`: a checkpoint directory, a preset or hand-written model name, or a config dict (see `resolve_model`).
+    `intervals`: the anchor intervals N to amortise a slot over (default: see `anchor_intervals`)."""
+    flags = list(flags)
+    name, config, source = resolve_model(model)
+    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
+    served = serving_dtype(config, flags)
+    kv = kv_dtype(config, flags)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
+    kv_per_token = n_fa * 2 * config["num_key_value_heads"] * head_dim * kv.itemsize
+    # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also when
+    # the flags are a stock server's.
+    cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
+    hidden = hidden_dtype(cfg, config, flags)
+    hidden_per_token = hidden_store.bytes_per_token(layout, hidden)
+    slot = mamba_slot_bytes(config, n_gdn)
+    paper = kv_per_token + hidden_per_token
+    return {
+        "model": name, "config_source": source, "flags": shlex.join(flags),
+        "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": len(layout.stored_groups),
+        "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv),
+        "hidden_dtype_flag": cfg.hidden_dtype, "hidden_dtype": _dtype_name(hidden), "hidden_tier": cfg.hidden_tier,
+        "fa_kv_bytes_per_token": kv_per_token,
+        "tail_replay_hidden_bytes_per_token": hidden_per_token,
+        "tail_replay_bytes_per_cached_token": paper,
+        "mamba_slot": slot,
+        "stock_slots_per_running_request": {"no_buffer": 1, "extra_buffer": 3},
+        "stock_slots_per_checkpoint": 1,
+        "tail_replay_slots_per_running_request": 1,
+        # Anchored replay keeps stock's request-end and chunk-end states as anchors; paper mode keeps none.
+        "tail_replay_slots_per_checkpoint": 1 if cfg.anchored else 0,
+        # One stock checkpoint costs as much as the hiddens of this many cached tokens.
+        "hidden_tokens_per_mamba_slot": slot["total_bytes"] / hidden_per_token,
+        "kv_tokens_per_mamba_slot": slot["total_bytes"] / kv_per_token,
+        # Per cached token, without the states held per checkpoint / request end (one slot each, above).
+        "stock_bytes_per_cached_token": kv_per_token,
+        "paper_bytes_per_cached_token": paper,
+        "anchors": {
+            "anchored": cfg.anchored, "anchor_interval": cfg.anchor_interval, "exact_budget": cfg.exact_budget,
+            "bytes_per_anchor": slot["total_bytes"],
+            "intervals": [{"interval": n, "anchor_bytes_per_token": slot["total_bytes"] / n,
+                           "tail_replay_bytes_per_cached_token": paper + slot["total_bytes"] / n}
+                          for n in anchor_intervals(cfg, flags, intervals)],
+        },
+    }
+
+
+def account_for_configs(model_path: Path, configs: dict[str, tuple | None], server_args: list[str]) -> dict:
+    """The accounting for the first Tail-Replay server's flags (its hidden dtype), else for the common flags."""
+    flags = next((f for f in configs.values() if f and "--enable-tail-replay" in f), server_args)
+    return account(model_path, flags)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def table(acc: dict, title: str = "memory per cached token and per recurrent state") -> Table:
+    t = Table(title=title)
+    t.add_column("what")
+    t.add_column("bytes", justify="right")
+    t.add_column("note")
+    slot, anchors = acc["mamba_slot"], acc.get("anchors", {})
+    t.add_row("FA KV per token", _size(acc["fa_kv_bytes_per_token"]),
+              f"{acc['fa_layers']} FA layers, K and V, {acc['kv_dtype']}; stock and Tail-Replay alike")
+    t.add_row("Tail-Replay hiddens per token", _size(acc["tail_replay_hidden_bytes_per_token"]),
+              f"{acc['stored_groups']} stored groups x hidden, {acc['hidden_dtype']} "
+              f"(--tail-replay-hidden-dtype {acc.get('hidden_dtype_flag', '?')}), + 8 B token id")
+    t.add_row("Tail-Replay per cached token", _size(acc["tail_replay_bytes_per_cached_token"]),
+              "KV + hiddens; all of it in paper mode (exact budget 0)")
+    t.add_row("one mamba slot = one anchor", _size(slot["total_bytes"]),
+              f"{acc['gdn_layers']} GDN layers: conv {_size(slot['conv_bytes'])} ({slot['conv_dtype']}) + "
+              f"SSM {_size(slot['ssm_bytes'])} ({slot['ssm_dtype']})")
+    for row in anchors.get("intervals", []):
+        n = row["interval"]
+        t.add_row(f"anchored, N={n}, per cached token", _size(row["tail_replay_bytes_per_cached_token"]),
+                  f"KV + hiddens + slot/{n} = {_size(row['anchor_bytes_per_token'])}, while every anchor is kept")
+    t.add_row("stock, per running request", _size(slot["total_bytes"]), "1 slot (no_buffer); 3 with extra_buffer")
+    t.add_row("stock, per cached checkpoint", _size(slot["total_bytes"]),
+              f"1 slot = hiddens of {acc['hidden_tokens_per_mamba_slot']:.0f} tokens "
+              f"= FA KV of {acc['kv_tokens_per_mamba_slot']:.0f} tokens")
+    if anchors.get("anchored", False):
+        interval = anchors["anchor_interval"]
+        every = f", every {interval} tokens of a prefill" if interval else " (interval anchors off)"
+        t.add_row("Tail-Replay, per running request / anchor", _size(slot["total_bytes"]),
+                  f"1 slot each; anchors where requests and prefill chunks end{every}")
+    else:
+        t.add_row("Tail-Replay, per running request", _size(slot["total_bytes"]),
+                  "1 slot; anchors off (exact budget 0): no slot per cached prefix")
+    return t
+
+
+def all_table(accs: list[dict], title: str = "bytes per cached token") -> Table:
+    """One row per model: KV, hiddens, the slot (= one anchor), and per cached token stock / paper / anchored at
+    each interval (the union of the models' intervals)."""
+    t = Table(title=title)
+    t.add_column("model\nflags", no_wrap=True)
+    t.add_column("dtypes\nKV / hid", no_wrap=True)
+    t.add_column("FA KV\n/token", justify="right")
+    t.add_column("hiddens\n/token", justify="right")
+    t.add_column("slot =\n1 anchor", justify="right")
+    t.add_column("stock\nKV (+1 slot\nper ckpt)", justify="right")
+    t.add_column("paper B=0\nKV + hid", justify="right")
+    intervals = sorted({row["interval"] for acc in accs for row in acc["anchors"]["intervals"]})
+    for n in intervals:
+        t.add_column(f"anchored\nN={n}\n(+slot/{n})", justify="right", no_wrap=True)
+    for acc in accs:
+        by_n = {row["interval"]: row for row in acc["anchors"]["intervals"]}
+        star = "*" if acc["config_source"] == "hand-written shapes" else ""
+        cells = [f"{acc['model']}{star}\n{acc['flags']}", f"{acc['kv_dtype']}\n{acc['hidden_dtype']}",
+                 _size(acc["fa_kv_bytes_per_token"]), _size(acc["tail_replay_hidden_bytes_per_token"]),
+                 _size(acc["mamba_slot"]["total_bytes"]), _size(acc["stock_bytes_per_cached_token"]),
+                 _size(acc["paper_bytes_per_cached_token"])]
+        for n in intervals:
+            row = by_n.get(n)
+            cells.append(f"{_size(row['tail_replay_bytes_per_cached_token'])}\n"
+                         f"(+{_size(row['anchor_bytes_per_token'])})" if row else "-")
+        t.add_row(*cells, end_section=True)
+    return t
+
+
+def anchors_in_prefix(tokens: int, interval: int, chunk: int = CHUNK_TOKENS) -> int:
+    """Anchors a prefill of `tokens` tokens in `chunk`-token chunks leaves: one where each chunk ends, plus one
+    every `interval` tokens inside each chunk (`anchors.offsets`: counted from the chunk's start)."""
+    count = 0
+    for start in range(0, tokens, chunk):
+        extend = min(chunk, tokens - start)
+        count += 1 + (len(range(interval, extend, interval)) if interval > 0 else 0)
+    return count
+
+
+def prefix_cost(acc: dict, tokens: int, checkpoints: int) -> dict:
+    """Bytes to keep a cached prefix: stock holds KV + its checkpoints, Tail-Replay KV + hiddens (paper mode), and
+    anchored at each interval also its anchors."""
+    slot = acc["mamba_slot"]["total_bytes"]
+    paper = tokens * acc["tail_replay_bytes_per_cached_token"]
+    anchored = {}
+    for row in acc.get("anchors", {}).get("intervals", []):
+        n = anchors_in_prefix(tokens, row["interval"])
+        anchored[row["interval"]] = {"anchors": n, "bytes": paper + n * slot}
+    return {"stock_bytes": tokens * acc["fa_kv_bytes_per_token"] + checkpoints * slot,
+            "tail_replay_bytes": paper, "tail_replay_anchored": anchored}

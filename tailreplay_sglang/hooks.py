@@ -1,0 +1,188 @@
+"""Every point where this package changes SGLang 0.5.23, in one table, and the code that registers them.
+
+A row names the SGLang target, how it is changed, the function that does it and why that point. `kind` is a
+`HookRegistry` hook type (before / after / around / replace: SGLang applies them when it loads plugins) or `call`
+(a registration through SGLang's own registries, or a class constant no hook can set: run once by `register_*`).
+Functions are `module:name` strings, resolved only when their table is registered, so that the launcher, which
+registers the flags only, never imports the scheduler-side modules.
+
+Tables, by where they are registered:
+- `ALWAYS`: every SGLang process, with or without `--enable-tail-replay` (plugin entry point `tailreplay`);
+- `RUNTIME` and `INTERVAL_ANCHORS`: scheduler processes with Tail-Replay enabled; rows marked `bound` get the
+  process's `TailReplayRuntime` as their function's first parameter; the second table only where the CPU prefill ops
+  can write anchor states;
+- `CPU_ENGINE`: SGLang on a CPU without AMX (plugin entry point `tailreplay_cpu_ops`);
+- `ELSEWHERE`: changes made outside `HookRegistry`, listed here so that this file is the whole picture: the two
+  `.pth` import hooks the wheel installs into site-packages, and the capture's torch pre-hooks on the model.
+`tests/test_hooks.py` checks that every target exists in the installed SGLang and that no other module registers a
+hook.
+"""
+
+import functools
+import pkgutil
+import sys
+from dataclasses import dataclass
+
+_SRT = "sglang.srt"
+_TOKENIZER = f"{_SRT}.managers.tokenizer_manager.TokenizerManager"
+_RUNNER = f"{_SRT}.model_executor.model_runner.ModelRunner"
+_CACHE = f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_STREAMER = f"{_SRT}.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+_FLA = "sglang.kernels.ops.attention.fla"
+_PKG = "tailreplay_sglang"
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str  # dotted path of what changes in SGLang
+    kind: str  # before | after | around | replace (HookRegistry) | call (see the module docstring)
+    fn: str  # "module:function" in this package
+    why: str
+    bound: bool = False  # the function takes the process's TailReplayRuntime first (RUNTIME / INTERVAL_ANCHORS)
+
+
+ALWAYS = (
+    Hook(f"{_SRT}.server_args.ServerArgs.add_cli_args", "after", f"{_PKG}.plugin:after_add_cli_args",
+         "adds the Tail-Replay flags to SGLang's own parser"),
+    Hook(f"{_SRT}.server_args.ServerArgs.from_cli_args", "around", f"{_PKG}.plugin:around_from_cli_args",
+         "sees the raw Namespace (our flags are not ServerArgs fields): validates them (exit 2 before the model "
+         "loads), hands the config to the spawned schedulers and sets radix_cache_backend before ServerArgs is built"),
+    Hook(f"{_TOKENIZER}._validate_one_request", "before", f"{_PKG}.validation:validate_request_token_ids",
+         "every request path passes here and a ValueError becomes HTTP 400: a bad token id must not kill the "
+         "scheduler (stock 0.5.23 loses the server)"),
+    Hook(f"{_TOKENIZER}._accumulate_request_meta_info", "around", f"{_PKG}.visibility:scalar_meta_info",
+         "stock accumulates customized info into lists; our per-request keys become scalars in meta_info"),
+    Hook(f"{_SRT}.utils.hf_transformers.common._CONFIG_REGISTRY", "call", f"{_PKG}.models:register_config",
+         "OLMo-Hybrid (not in SGLang 0.5.23): get_config re-reads the checkpoint through our config class"),
+    Hook(f"{_SRT}.configs.linear_attn_model_registry.register_linear_attn_model", "call",
+         f"{_PKG}.models:register_linear_attention",
+         "SGLang's route for external hybrid models: OLMo-Hybrid becomes hybrid-SSM with our GDN backend"),
+    Hook(f"{_SRT}.model_loader.utils.get_model_architecture", "before", f"{_PKG}.models:add_model_classes",
+         "puts OLMo-Hybrid in ModelRegistry just before SGLang resolves an architecture (importing the registry "
+         "imports every model, so only where the model loader is already loaded: the scheduler)"),
+)
+
+RUNTIME = (
+    Hook(f"{_SRT}.mem_cache.registry.register_radix_cache_backend", "call", f"{_PKG}.lifecycle:register_cache_backend",
+         "backend `tail_replay`: SGLang's create_unified_radix_cache with our MAMBA component (matches at any "
+         "token, copies the nearest anchor into a hit's slot)", bound=True),
+    Hook(f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "around",
+         f"{_PKG}.lifecycle:add_store_to_cell_size",
+         "where the per-token cost that sizes the KV pool is computed: the device-tier store's bytes make fewer "
+         "tokens fit instead of overrunning memory", bound=True),
+    Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
+         "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
+         "layers); before CUDA graphs are captured", bound=True),
+    Hook(f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_extend", "after",
+         f"{_PKG}.lifecycle:mark_pending",
+         "the first point where a matched Req has its request-pool row and final prefix_len: the hit becomes a "
+         "pending replay, and the batch's interval anchors are planned", bound=True),
+    Hook(f"{_RUNNER}._maybe_execute_deferred_mamba_cow_and_clear", "after", f"{_PKG}.lifecycle:replay_after_clear",
+         "SGLang zeroes new slots here on the forward stream: the replay writes after that clear and before the "
+         "extend reads the pool", bound=True),
+    Hook(f"{_SRT}.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+         ".get_internal_state", "after", f"{_PKG}.pool_report:add_to_internal_state",
+         "pool readback in /server_info (tail_replay_pools) for tests and the soak run", bound=True),
+    Hook(f"{_CACHE}._evict", "after", f"{_PKG}.pool_report:count_evicted_tokens", "counts evicted tokens",
+         bound=True),
+    Hook(f"{_STREAMER}.has_additional_customized_info", "call", f"{_PKG}.lifecycle:enable_customized_info",
+         "the ClassVar opt-in of SGLang's per-request output fields", bound=True),
+    Hook(f"{_STREAMER}.build_additional_customized_info", "replace", f"{_PKG}.visibility:build_customized_info",
+         "SGLang's extension point for per-request output fields (tail_replay_tokens, _ms, _exact, ...)"),
+    Hook(f"{_STREAMER}.is_request_level_customized_info_key", "replace", f"{_PKG}.visibility:is_request_level_key",
+         "our keys are emitted once per request, not per token"),
+)
+
+INTERVAL_ANCHORS = (
+    Hook(f"{_SRT}.layers.attention.linear.gdn_backend.causal_conv1d_fn", "around",
+         f"{_PKG}.lifecycle:write_anchor_states",
+         "SGLang's CPU prefill conv (the fallback's op): also writes the conv states the anchor plan asks for",
+         bound=True),
+    Hook(f"{_SRT}.layers.attention.linear.kernels.gdn_triton.chunk_gated_delta_rule", "around",
+         f"{_PKG}.lifecycle:write_anchor_states",
+         "SGLang's CPU chunked GDN prefill (the fallback's op): also writes the recurrent states of the plan",
+         bound=True),
+    Hook(f"{_CACHE}.checkpoint_into_tree", "after", f"{_PKG}.lifecycle:insert_interval_anchors",
+         "the request's KV is in the tree and its row holds the tree's indices: an anchor can be inserted at its "
+         "depth without freeing anything as a duplicate", bound=True),
+    Hook(f"{_CACHE}.on_release", "after", f"{_PKG}.lifecycle:drop_interval_anchors",
+         "frees the interval anchors a released request never got into the tree", bound=True),
+)
+
+CPU_ENGINE = (
+    Hook(f"{_FLA}.layernorm_gated.RMSNorm.forward", "replace", f"{_PKG}.cpu.triton_branches:rmsnorm_gated_forward",
+         "Qwen3.5's GDN output norm goes to Triton on a CPU without AMX"),
+    Hook(f"{_FLA}.fused_norm_gate.FusedRMSNormGated.forward", "replace",
+         f"{_PKG}.cpu.triton_branches:fused_rmsnorm_gated_forward",
+         "Qwen3-Next's GDN output norm goes to Triton on a CPU without AMX"),
+    Hook("sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add", "replace",
+         f"{_PKG}.cpu.fused:gate_sigmoid_mul_add_", "the Qwen-MoE shared-expert gate goes to Triton"),
+    Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend", "around",
+         f"{_PKG}.cpu.extend_attention:sdpa_forward_extend",
+         "stock pads the queries to the whole sequence (O(L x L) per hit); ours computes the new tokens' only"),
+    Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.cpu.threads:bind_rank_threads",
+         "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
+         "other's cores"),
+)
+
+ELSEWHERE = (
+    Hook("sys.meta_path (end): sgl_kernel, sgl_kernel.mamba, torchvision", "import",
+         "tailreplay_sglang_cpu_fallback.pth -> tailreplay_sglang.cpu.fallback:install",
+         "SGLang imports sgl_kernel on every device and its CPU build is not on PyPI: served from torch ops where "
+         "the real package is missing, and only under SGLANG_USE_CPU_ENGINE=1"),
+    Hook("sys.meta_path (first): sglang.srt.entrypoints.engine.Engine.__init__, "
+         "sglang.lang.backend.runtime_endpoint.Runtime.__init__", "import",
+         "tailreplay_sglang_python_api.pth -> tailreplay_sglang.python_api:install",
+         "ServerArgs is sealed at import and Engine loads plugins too late: the Tail-Replay keywords are taken off "
+         "these two constructors"),
+    Hook("the first GDN layer of every group: linear_attn (or the decoder layer)", "torch pre-hook",
+         "tailreplay_sglang.capture:install (called by lifecycle.create_store)",
+         "writes token ids and group input hiddens at out_cache_loc during every forward"),
+)
+
+HOOK_KINDS = ("before", "after", "around", "replace")
+
+
+def resolve(hook: Hook):
+    return pkgutil.resolve_name(hook.fn)
+
+
+def _register(table, runtime=None) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for hook in table:
+        fn = resolve(hook)
+        if hook.bound:
+            fn = functools.partial(fn, runtime)
+        if hook.kind == "call":
+            fn()
+        else:
+            HookRegistry.register(hook.target, fn, HookType[hook.kind.upper()])
+
+
+def register_always() -> None:
+    """Plugin `tailreplay`, every process. The model-class hook only where SGLang's model loader is already
+    loaded (the scheduler), since resolving its target imports every model."""
+    _register(hook for hook in ALWAYS if _loaded_or_light(hook))
+
+
+def _loaded_or_light(hook: Hook) -> bool:
+    if hook.target.endswith(".get_model_architecture"):
+        return hook.target.rpartition(".")[0] in sys.modules
+    return True
+
+
+def register_runtime(runtime) -> None:
+    """Scheduler process with Tail-Replay enabled: the `bound` rows get its runtime."""
+    _register(RUNTIME, runtime)
+    if runtime.interval_anchors is not None:
+        _register(INTERVAL_ANCHORS, runtime)
+
+
+def register_cpu_engine() -> None:
+    """Plugin `tailreplay_cpu_ops`: only on SGLang's CPU engine without AMX, so GPU and AMX runs keep SGLang's own
+    kernels."""
+    from sglang.srt.utils import cpu_has_amx_support, is_cpu
+
+    if is_cpu() and not cpu_has_amx_support():
+        _register(CPU_ENGINE)

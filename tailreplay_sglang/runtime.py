@@ -1,0 +1,56 @@
+"""The Tail-Replay runtime of one scheduler process: everything the hooks share, in one object.
+
+`plugin.register` creates exactly one `TailReplayRuntime` in each scheduler process (where SGLang loads plugins with
+our config in the environment) and `hooks.register_runtime` binds it into every hook that needs it, so each hook
+reads its state from the object it was given: nothing is kept in class attributes or module globals.
+
+What it holds, and who fills it:
+- `config`: the validated flags (`config.TailReplayConfig`), fixed at creation;
+- `pending`: hits between their match and their replay (`cache.pending`), written by the cache component and the
+  `prepare_for_extend` hook, taken by the replay hook;
+- `interval_anchors`: the anchor planner, whose plan the CPU prefill ops read through their hooks (None where the
+  ops cannot take mid-sequence states);
+- `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
+- `metrics`: Prometheus counters, only with `--enable-metrics`;
+- `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tailreplay_sglang.cache.anchors import IntervalAnchors
+from tailreplay_sglang.cache.pending import PendingReplays
+from tailreplay_sglang.config import TailReplayConfig
+
+if TYPE_CHECKING:
+    from tailreplay_sglang.store.hidden_store import HiddenStore
+    from tailreplay_sglang.visibility import ReplayMetrics
+
+
+@dataclass(eq=False)
+class TailReplayRuntime:
+    config: TailReplayConfig
+    pending: PendingReplays = field(default_factory=PendingReplays)
+    interval_anchors: IntervalAnchors | None = None
+    store: "HiddenStore | None" = None
+    metrics: "ReplayMetrics | None" = None
+    evicted_anchors: int = 0  # recurrent states the tree's mamba LRU has dropped since start-up
+    evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up
+
+    @classmethod
+    def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
+        """The runtime of a scheduler process. Interval anchors need prefill ops that can write mid-sequence states:
+        for now only the torch GDN ops of the CPU fallback can (`cache.anchors.capture_available`)."""
+        from tailreplay_sglang.cache.anchors import capture_available
+
+        wants_intervals = config.anchored and config.anchor_interval > 0
+        anchors = IntervalAnchors(config.anchor_interval) if wants_intervals and capture_available() else None
+        return cls(config, interval_anchors=anchors)
+
+    def count_evicted_anchor(self) -> None:
+        self.evicted_anchors += 1
+        if self.metrics is not None:
+            self.metrics.evicted_anchors.inc()
+
+    def count_evicted_tokens(self, tokens: int) -> None:
+        self.evicted_tokens += tokens

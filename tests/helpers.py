@@ -1,0 +1,154 @@
+"""Plain helpers the tests share: the model folder, the exact Tail-Replay flags, a server started and stopped by PID,
+greedy `/generate`, the multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts
+loaded by path. Fixtures live in conftest.py; test modules import these with `from helpers import ...` (pytest puts
+tests/ on the import path, as it does for conftest.py)."""
+
+import concurrent.futures
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import torch
+
+from tailreplay_eval.reference import greedy_generate
+from tailreplay_eval.server import ServerProcess, _group_alive
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = Path(os.environ.get("TAILREPLAY_MODELS_DIR", ROOT / "models"))
+
+# The paper's mode (no anchors: --tail-replay-exact-budget 0) replaying the whole prefix (ratio 1): exact. One
+# server for the session (conftest's `exact_tail_replay_server`), shared by test_tail_replay.py and
+# test_python_api.py (anchored replay: its own file).
+EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
+               "--tail-replay-hidden-dtype", "float32",
+               "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, computed in float64."""
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module, loaded by path (bench/ is a folder of scripts, not a package; they import only
+    installed packages and tailreplay_eval, so nothing goes on sys.path). Loaded once per session, like an import."""
+    module_name = f"bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # before running it: dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only SGLang plugin (fault injection)
+
+
+def faults_env(replay_delay_s: float) -> dict:
+    """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
+    replay pass that ran is held for `replay_delay_s`."""
+    path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
+
+
+def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
+    """Generator body for server fixtures: start, yield the running server, always stop it by PID."""
+    servers = start_servers(tmp_path_factory, {"server": Spec(model_path, extra_args, env, kwargs)})
+    try:
+        yield next(servers)["server"]
+    finally:
+        servers.close()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One server of `start_servers`: model, extra flags, extra environment, ServerProcess keywords."""
+
+    model_path: object
+    args: tuple = ()
+    env: dict | None = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def start_servers(tmp_path_factory, specs: dict[str, Spec]):
+    """Generator body for fixtures that need several servers: start them all at once, yield {name: running server},
+    always stop them all by PID. A start is mostly Python imports in one process at a time, so on two cores
+    overlapping several starts costs less wall time than running them one after the other."""
+    servers = {}
+    try:
+        for name, spec in specs.items():
+            log = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
+            # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises
+            env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(spec.env or {})}
+            servers[name] = ServerProcess(str(spec.model_path), tuple(spec.args), log_path=log, env=env,
+                                          **spec.kwargs).start()
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers
+    finally:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+            list(pool.map(ServerProcess.stop, servers.values()))
+        alive = [name for name, server in servers.items() if _group_alive(server.proc.pid)]
+        assert not alive, f"server process groups survived stop(): {alive}"
+
+
+def generate_response(server, input_ids, max_new_tokens, **extra) -> requests.Response:
+    """Greedy /generate of exactly max_new_tokens tokens; returns the HTTP response as it came (errors included)."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                         "ignore_eos": True}, **extra}
+    return requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+
+
+def generate(server, input_ids, max_new_tokens, **extra) -> dict:
+    """Greedy /generate of exactly max_new_tokens tokens; returns the response JSON (raises on an HTTP error)."""
+    r = generate_response(server, input_ids, max_new_tokens, **extra)
+    r.raise_for_status()
+    return r.json()
+
+
+def run_forked_program(backend, system: str, question: str) -> list[dict]:
+    """An SGLang frontend program (`sgl.function`) that forks 3 branches after `system + question`, run twice (the
+    first run's branches race in one prefill batch, so some miss); the second run's meta_info per branch."""
+    import sglang as sgl
+
+    @sgl.function
+    def branches(s, question):
+        s += system + " " + question
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" branch {i} says"
+            f += sgl.gen("answer", max_tokens=4, temperature=0)
+        return [f.get_meta_info("answer") for f in forks]
+
+    branches.run(question=question, backend=backend)
+    return branches.run(question=question, backend=backend).ret_value
+
+
+def check_multi_turn(server, model, tok, turn1_text, new_tokens) -> None:
+    """Decode-time capture: a second turn containing turn one's generated tokens matches through them (all but the
+    last generated token, which has no KV when the request finishes) and equals HF greedy."""
+    turn1 = tok(turn1_text).input_ids
+    answer = generate(server, turn1, new_tokens)["output_ids"]
+    turn2 = turn1 + answer + tok(" and a follow-up question?").input_ids
+    out = generate(server, turn2, new_tokens)
+    assert out["meta_info"]["cached_tokens"] >= len(turn1) + len(answer) - 1
+    assert out["output_ids"] == greedy_generate(model, turn2, new_tokens)
+
+
+def check_concurrent_hits(server, model, tok, system_ids, new_tokens) -> None:
+    """8 requests sharing `system_ids` (already cached), sent at once: each hits it and equals HF greedy."""
+    prompts = [system_ids + tok(" question" * (i + 1)).input_ids for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: generate(server, p, new_tokens), prompts))
+    for ids, out in zip(prompts, outs):
+        assert out["meta_info"]["cached_tokens"] >= len(system_ids)
+        assert out["output_ids"] == greedy_generate(model, ids, new_tokens)

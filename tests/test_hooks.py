@@ -1,0 +1,125 @@
+"""The table of SGLang change points (`tailreplay_sglang/hooks.py`) is the whole picture and matches the installed
+SGLang: every target exists, every function resolves, no other module registers a hook, and the runtime's state
+reaches its hooks through the object they are bound to. The two .pth import hooks never break an import."""
+
+import ast
+import pkgutil
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tailreplay_sglang import hooks, lifecycle
+from tailreplay_sglang.cache.anchors import IntervalAnchors
+from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.runtime import TailReplayRuntime
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tailreplay_sglang"
+REGISTERED = hooks.ALWAYS + hooks.RUNTIME + hooks.INTERVAL_ANCHORS + hooks.CPU_ENGINE
+
+
+@pytest.mark.parametrize("hook", REGISTERED, ids=lambda h: h.target.rsplit(".", 2)[-2] + "." + h.kind)
+def test_every_target_exists_in_the_installed_sglang(hook):
+    owner, attr = hook.target.rsplit(".", 1)
+    assert hasattr(pkgutil.resolve_name(owner), attr), hook.target
+    assert callable(hooks.resolve(hook)), hook.fn
+    assert hook.kind in (*hooks.HOOK_KINDS, "call") and hook.why
+
+
+@pytest.mark.parametrize("hook", REGISTERED, ids=lambda h: h.fn.rsplit(":", 1)[-1])
+def test_a_row_is_bound_exactly_when_its_function_takes_the_runtime(hook):
+    import inspect
+
+    first = next(iter(inspect.signature(hooks.resolve(hook)).parameters), None)
+    assert hook.bound == (first == "runtime"), hook.fn
+
+
+def test_no_other_module_registers_a_hook():
+    """HookRegistry.register, register_radix_cache_backend and the registries are called from hooks.py only
+    (through `hooks._register`), so the table cannot fall behind the code."""
+    callers = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "register" and getattr(node.value, "id", "") == \
+                    "HookRegistry":
+                callers.append(path.relative_to(PACKAGE).as_posix())
+    assert set(callers) == {"hooks.py"}
+
+
+def test_the_runtime_hooks_read_their_own_runtime():
+    """Two runtimes (two scheduler processes' worth) share nothing: the anchor plan an op sees is its runtime's."""
+    config = TailReplayConfig(enabled=True)
+    first = TailReplayRuntime(config, interval_anchors=IntervalAnchors(512))
+    second = TailReplayRuntime(config, interval_anchors=IntervalAnchors(512))
+    first.interval_anchors.by_slot = {3: [(64, 5)]}
+    seen = []
+
+    def op(*args, state_checkpoints=None, **kwargs):
+        seen.append(state_checkpoints)
+
+    lifecycle.write_anchor_states(first, op, "x")
+    lifecycle.write_anchor_states(second, op, "x")
+    assert seen == [{3: [(64, 5)]}, {}]
+    first.count_evicted_anchor()
+    assert (first.evicted_anchors, second.evicted_anchors) == (1, 0)
+    assert first.pending is not second.pending
+
+
+def test_interval_anchor_hooks_only_where_the_ops_take_states():
+    """No interval anchors with the paper's budget 0 or interval 0; with them, only where the fallback serves the
+    ops."""
+    from tailreplay_sglang.cache.anchors import capture_available
+
+    assert TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True, exact_budget=0)).interval_anchors is None
+    assert TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True, anchor_interval=0)).interval_anchors is None
+    anchors = TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True)).interval_anchors
+    assert capture_available() and anchors is not None and anchors.interval == 512
+
+
+@pytest.mark.parametrize("cpu_engine, cpu_torch, disabled, served", [
+    ("1", False, None, True),  # SGLang's CPU engine
+    (None, True, None, True),  # a CPU-only torch: SGLang can run nothing else
+    (None, False, None, False),  # a GPU install missing sgl-kernel fails as stock does
+    ("1", True, "1", False),  # switched off
+])
+def test_cpu_fallback_serves_only_for_sglangs_cpu_engine(monkeypatch, cpu_engine, cpu_torch, disabled, served):
+    from tailreplay_sglang.cpu import fallback
+
+    for name, value in (("SGLANG_USE_CPU_ENGINE", cpu_engine), ("TAILREPLAY_DISABLE_CPU_FALLBACK", disabled)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(fallback, "_cpu_only_torch", lambda: cpu_torch)
+    finder = fallback.CpuFallbackFinder()
+    for name in ("sgl_kernel", "sgl_kernel.mamba", "torchvision.transforms"):
+        assert (finder.find_spec(name) is not None) is served, name
+    assert finder.find_spec("numpy") is None
+
+
+def test_a_failing_shim_leaves_a_stub_module_and_a_warning(monkeypatch):
+    from tailreplay_sglang.cpu import fallback
+
+    def broken(module):
+        raise RuntimeError("torch changed")
+
+    monkeypatch.setattr(fallback, "_fill", broken)
+    module = fallback._FallbackLoader().create_module(types.SimpleNamespace(name="sgl_kernel"))
+    module.__name__ = "sgl_kernel"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback._FallbackLoader().exec_module(module)
+    assert any("stubs only" in str(w.message) for w in caught)
+    with pytest.raises(NotImplementedError):
+        module.anything()
+
+
+def test_a_changed_entry_point_class_leaves_sglangs_module_importable():
+    from tailreplay_sglang import python_api
+
+    module = types.ModuleType("sglang.srt.entrypoints.engine")  # an SGLang without the class we wrap
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        python_api._wrap_or_warn(module, "Engine")
+    assert any("Tail-Replay keywords" in str(w.message) for w in caught)
