@@ -5,6 +5,7 @@ manager, scheduler, detokenizer) by PID, even when the caller fails half-way.
 """
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -57,10 +58,25 @@ def _number_or_text(value: str):
 CPU_KEYWORDS = flags_to_keywords(CPU_FLAGS)  # for sglang.Engine / sgl.Runtime
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(low: int = 12000, high: int = 21999) -> int:
+    """A free port for a server or router to bind later. Below both the kernel's ephemeral range (32768+: any
+    concurrently starting process may take such a port for an outgoing connection before our server binds it) and
+    SGLang's own pick for internal ports (22000-29999, `get_free_port_below_ephemeral`); never the same twice in a
+    process, so servers started together do not collide."""
+    for port in random.sample(range(low, high + 1), 200):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{low}, {high}]")
 
 
 @dataclass

@@ -179,6 +179,19 @@ def register_runtime(runtime) -> None:
         _register(INTERVAL_ANCHORS, runtime)
 
 
+def verify_applied(runtime, patched=None) -> None:
+    """Raise unless every HookRegistry row the runtime registered took effect (SGLang only logs a failure)."""
+    if patched is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        patched = HookRegistry._patched
+    tables = RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
+    missing = [hook.target for hook in tables if hook.kind in HOOK_KINDS and hook.target not in patched]
+    if missing:
+        raise RuntimeError(f"Tail-Replay: {len(missing)} SGLang hook(s) did not apply (SGLang's log says why), so "
+                           f"hits would not be replayed correctly: {', '.join(missing)}")
+
+
 def register_cpu_engine() -> None:
     """Plugin `tailreplay_cpu_ops`: only on SGLang's CPU engine without AMX, so GPU and AMX runs keep SGLang's own
     kernels."""

@@ -131,6 +131,18 @@ def register_cache_backend(runtime: TailReplayRuntime) -> None:
 
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
 
-    from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND, create_tail_replay_cache
+    from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND
 
-    register_radix_cache_backend(RADIX_CACHE_BACKEND, functools.partial(create_tail_replay_cache, runtime))
+    register_radix_cache_backend(RADIX_CACHE_BACKEND, functools.partial(build_tree_cache, runtime))
+
+
+def build_tree_cache(runtime: TailReplayRuntime, ctx):
+    """The radix-cache backend, built by each scheduler once every plugin's hooks are applied: the first point where
+    it can be checked, failing closed, that they all took effect and that SGLang's resolved configuration is one
+    Tail-Replay supports (`supported.py`)."""
+    from tailreplay_sglang import hooks, supported
+    from tailreplay_sglang.cache.component import create_tail_replay_cache
+
+    supported.check_resolved(ctx.server_args)
+    hooks.verify_applied(runtime)
+    return create_tail_replay_cache(runtime, ctx)

@@ -64,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
             raise TailReplayConfigError(f"{flag} requires --enable-tail-replay")
         return TailReplayConfig()
     cfg = TailReplayConfig(enabled=True, **{d.removeprefix("tail_replay_"): v for d, v in given.items()})
+    _check_version()
     _check_combination(args)
     cfg = dataclasses.replace(cfg, hidden_tier=_hidden_tier(cfg, args))
     try:
@@ -71,6 +72,17 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
     except ValueError as e:
         raise TailReplayConfigError(str(e)) from None
     return cfg
+
+
+def _check_version() -> None:
+    import sglang
+
+    from tailreplay_sglang.supported import UnsupportedConfigError, check_version
+
+    try:
+        check_version(getattr(sglang, "__version__", "unknown"))
+    except UnsupportedConfigError as e:
+        raise TailReplayConfigError(str(e)) from None
 
 
 def _check_combination(args: argparse.Namespace) -> None:

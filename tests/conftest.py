@@ -63,6 +63,13 @@ def exact_tail_replay_server(tiny_qwen35, tmp_path_factory):
     yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS)
 
 
+@pytest.fixture(scope="session")
+def stock_qwen35_server(tiny_qwen35, tmp_path_factory):
+    """Stock SGLang on tiny Qwen3.5 in float32 with metrics: test_server.py's server and test_bench.py's stock arm."""
+    yield from start_server(tiny_qwen35, tmp_path_factory, "--dtype", "float32", "--enable-metrics",
+                            max_total_tokens=8192, context_length=4096)
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak-requests", type=int, default=150,
                      help="requests in tests/test_reliability.py::test_soak (CI: 150; long run: 2000)")

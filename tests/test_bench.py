@@ -1,7 +1,7 @@
-"""Smoke test of the benchmarks at a tiny size: bench/ttft.py, bench/workloads.py and bench/load.py's
-bench_serving runs against two real tiny
-servers (stock and Tail-Replay, started once with the benchmarks' own harness and passed by --url), write JSON of
-the expected structure, and Tail-Replay's hits cover exactly what was matchable."""
+"""Smoke test of the benchmarks at a tiny size: bench/ttft.py, bench/workloads.py and bench/load.py's bench_serving
+runs against two real tiny servers (the session's stock one and a Tail-Replay one started with the benchmarks' own
+harness, passed by --url) write JSON of the expected structure, and Tail-Replay's hits cover exactly what was
+matchable."""
 
 import json
 from pathlib import Path
@@ -24,13 +24,15 @@ TR = "Tail-Replay r=0.05"
 
 
 @pytest.fixture(scope="module")
-def urls(tiny_qwen35, tmp_path_factory):
-    configs = {"stock": ("--dtype", "float32", "--enable-metrics"),
-               TR: ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")}
+def urls(tiny_qwen35, stock_qwen35_server, tmp_path_factory):
+    """The session's stock server (float32, metrics, 8192-token pool, context 4096) and a Tail-Replay one started
+    with the benchmarks' own harness on the same settings, as `--url LABEL=URL` arguments."""
+    configs = {TR: ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")}
     log_stem = tmp_path_factory.mktemp("bench") / "bench"
     with harness.running_servers(tiny_qwen35, configs, log_stem, Console(), max_total_tokens=8192,
                                  context_length=4096) as procs:
-        yield [arg for label, p in procs.items() for arg in ("--url", f"{label}={p.base_url}")]
+        servers = {"stock": stock_qwen35_server, **procs}
+        yield [arg for label, p in servers.items() for arg in ("--url", f"{label}={p.base_url}")]
 
 
 def test_ttft_full_prefill_misses_and_tail_replay_hits_the_whole_prefix(urls, tiny_qwen35, tmp_path):

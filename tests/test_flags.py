@@ -13,16 +13,41 @@ from tailreplay_sglang.config import TailReplayConfigError
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 
-def launch(*args, timeout=180):
-    """`python -m sglang.launch_server` on the CPU: its tests are marked `server` (~15 s of imports per launch)."""
+def launch_all(launches: dict[str, tuple], timeout=300) -> dict[str, subprocess.CompletedProcess]:
+    """`python -m sglang.launch_server --device cpu ARGS` for each entry, all at once (each is ~12 s of imports before
+    the launcher exits; their tests are marked `server`): {name: completed process, output captured}."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
-    return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    procs = {name: subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--device", "cpu", *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for name, args in launches.items()}
+    done = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs.values():
+                other.kill()
+            raise
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_qwen35, tmp_path_factory):
+    """Every real launch of this module, run together."""
+    dense = tmp_path_factory.mktemp("dense")
+    (dense / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8}))
+    return launch_all({
+        "help": ("--help",),
+        **{name: ("--model-path", str(tiny_qwen35), *args) for name, (args, _) in LAUNCHED.items()},
+        "dense": ("--model-path", str(dense), "--enable-tail-replay"),
+    })
 
 
 @pytest.mark.server
-def test_flags_appear_in_stock_help():
-    out = launch("--help")
+def test_flags_appear_in_stock_help(launches):
+    out = launches["help"]
     assert out.returncode == 0
     for flag in ("--enable-tail-replay", "--tail-replay-ratio", "--tail-replay-min-tokens", "--tail-replay-max-tokens",
                  "--tail-replay-hidden-dtype", "--tail-replay-mode", "--tail-replay-hidden-tier", "--tail-replay-h2d",
@@ -64,21 +89,23 @@ def test_invalid_flags_are_refused_naming_the_flag(tiny_qwen35, args, message):
     assert message in str(refused.value)
 
 
-@pytest.mark.parametrize("args,message", [
-    REFUSED[0], REFUSED[1],
-    (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"], "--tail-replay-hidden-tier: invalid choice"),
-], ids=["ratio-out-of-range", "option-without-enable", "unknown-tier"])
+LAUNCHED = {  # refusals that also go through the real launcher
+    "ratio-out-of-range": REFUSED[0], "option-without-enable": REFUSED[1],
+    "unknown-tier": (["--enable-tail-replay", "--tail-replay-hidden-tier", "disk"],
+                     "--tail-replay-hidden-tier: invalid choice"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHED))
 @pytest.mark.server
-def test_the_launcher_exits_at_start_up_naming_the_flag(tiny_qwen35, args, message):
-    out = launch("--model-path", str(tiny_qwen35), *args)
+def test_the_launcher_exits_at_start_up_naming_the_flag(launches, name):
+    out = launches[name]
     assert out.returncode == 2
-    assert message in out.stderr
+    assert LAUNCHED[name][1] in out.stderr
 
 
 @pytest.mark.server
-def test_model_without_linear_attention_is_refused_with_what_is_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 8}))
-    out = launch("--model-path", str(tmp_path), "--enable-tail-replay")
+def test_model_without_linear_attention_is_refused_with_what_is_supported(launches):
+    out = launches["dense"]
     assert out.returncode == 2
     assert "linear-attention" in out.stderr and "Supported: Qwen3.5" in out.stderr

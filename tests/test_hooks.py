@@ -123,3 +123,16 @@ def test_a_changed_entry_point_class_leaves_sglangs_module_importable():
         warnings.simplefilter("always")
         python_api._wrap_or_warn(module, "Engine")
     assert any("Tail-Replay keywords" in str(w.message) for w in caught)
+
+
+def test_a_hook_that_did_not_apply_stops_the_start_up():
+    """SGLang only logs a hook that fails to apply; the runtime refuses to build its cache without every one."""
+    runtime = TailReplayRuntime(TailReplayConfig(enabled=True), interval_anchors=IntervalAnchors(512))
+    every = {h.target for h in hooks.RUNTIME + hooks.INTERVAL_ANCHORS if h.kind in hooks.HOOK_KINDS}
+    hooks.verify_applied(runtime, patched=every)
+    missing = sorted(every)[0]
+    with pytest.raises(RuntimeError, match="did not apply") as caught:
+        hooks.verify_applied(runtime, patched=every - {missing})
+    assert missing in str(caught.value)
+    anchors_off = TailReplayRuntime(TailReplayConfig(enabled=True, exact_budget=0))
+    hooks.verify_applied(anchors_off, patched={h.target for h in hooks.RUNTIME})  # no anchor hooks expected

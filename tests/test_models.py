@@ -121,7 +121,8 @@ def test_sglang_reads_olmo_hybrid_through_our_config_class(tmp_path):
     from tailreplay_sglang import models
     from tailreplay_sglang.models.olmo_hybrid_config import OlmoHybridSGLangConfig
 
-    models.register()
+    models.register_config()  # what the plugin's `hooks.ALWAYS` rows run in every SGLang process
+    models.register_linear_attention()
     config = get_config(str(build_model("tiny-olmo-hybrid", tmp_path / "olmo")), trust_remote_code=False)
     assert isinstance(config, OlmoHybridSGLangConfig) and config.architectures == ["OlmoHybridForCausalLM"]
     assert config.full_attention_layer_ids == [3, 7] and config.linear_layer_ids == [0, 1, 2, 4, 5, 6]

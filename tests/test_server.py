@@ -6,7 +6,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from helpers import Spec, generate, start_servers
+from helpers import generate, start_server
+from tailreplay_eval.server import flush_cache
 from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 
 pytestmark = pytest.mark.server
@@ -16,14 +17,10 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
-    """Stock SGLang on tiny Qwen3.5 and on tiny Qwen3-Next, started together."""
-    yield from start_servers(tmp_path_factory, {"qwen35": Spec(tiny_qwen35), "qwen3next": Spec(tiny_qwen3next)})
-
-
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers["qwen35"]
+def server(stock_qwen35_server):
+    """Stock SGLang on tiny Qwen3.5 (the session's, shared with test_bench.py), from an empty cache."""
+    flush_cache(stock_qwen35_server.base_url)
+    return stock_qwen35_server
 
 
 def test_fresh_prompt_matches_hf_greedy(server, hf_qwen35):
@@ -90,8 +87,9 @@ def test_bad_request_gets_http_error_and_server_keeps_serving(server, hf_qwen35,
     assert len(generate(server, tok("still alive").input_ids, max_new_tokens=3)["output_ids"]) == 3
 
 
-def test_qwen3next_serves_and_matches_hf(tiny_qwen3next, servers):
+def test_qwen3next_serves_and_matches_hf(tiny_qwen3next, tmp_path_factory):
     model = load_hf_model(tiny_qwen3next)
     tok = AutoTokenizer.from_pretrained(tiny_qwen3next)
     ids = tok(PROMPT).input_ids
-    assert generate(servers["qwen3next"], ids, max_new_tokens=8)["output_ids"] == greedy_generate(model, ids, 8)
+    for srv in start_server(tiny_qwen3next, tmp_path_factory):
+        assert generate(srv, ids, max_new_tokens=8)["output_ids"] == greedy_generate(model, ids, 8)

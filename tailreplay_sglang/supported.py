@@ -1,0 +1,67 @@
+"""What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
+
+Three checks, each raising with a message that names what to change:
+- `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
+- `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
+  post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
+  and tested for; the command-line checks in `plugin.config_from_args` see only what was typed;
+- `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
+  fails to apply, and a server missing one would serve hits without a replay.
+"""
+
+SGLANG_VERSION = "0.5.23"
+
+# ServerArgs field -> (values Tail-Replay supports, the flag a user changes, why). Fields SGLang derives from
+# several flags (attn_dp_size) are named by the flags that set them.
+SUPPORTED = {
+    "disable_radix_cache": ((False,), "--disable-radix-cache", "Tail-Replay is a radix cache"),
+    "enable_hierarchical_cache": ((False,), "--enable-hierarchical-cache", "HiCache moves KV the store must follow"),
+    "speculative_algorithm": ((None,), "--speculative-algorithm", "draft and verify forwards are not replayed"),
+    "enable_dp_attention": ((False,), "--enable-dp-attention", "its attention-TP groups are not wired into the replay"),
+    "attn_dp_size": ((1,), "--enable-dp-attention / --attn-dp-size", "attention data parallelism"),
+    "attn_cp_size": ((1,), "--attn-cp-size", "context parallelism splits a sequence's KV and hiddens"),
+    "dcp_size": ((1,), "--dcp-size", "decode context parallelism splits a sequence's KV"),
+    "pp_size": ((1,), "--pp-size", "a pipeline stage holds only some groups' layers"),
+    "disaggregation_mode": (("null",), "--disaggregation-mode", "PD disaggregation transfers KV without hiddens"),
+    "enable_lora": ((None, False), "--enable-lora", "the replay runs the base weights"),
+    "lora_paths": ((None, [], {}), "--lora-paths", "the replay runs the base weights"),
+    "enable_int8_mamba_checkpoint": ((False,), "--enable-int8-mamba-checkpoint", "anchors must be exact states"),
+    "enable_streaming_session": ((False,), "--enable-streaming-session", "sessions hold slots outside the match"),
+    "enable_session_radix_cache": ((False,), "--enable-session-radix-cache", "sessions hold slots outside the match"),
+    "moe_a2a_backend": (("none",), "--moe-a2a-backend", "the replay completes MoE sums with TP all-reduces only"),
+    "mamba_radix_cache_strategy": (("no_buffer",), "--mamba-radix-cache-strategy no_buffer",
+                                   "extra_buffer's state tracking is not supported yet"),
+    "disable_overlap_schedule": ((True,), "--disable-overlap-schedule",
+                                 "the overlap scheduler is not supported yet (anchor copies run at match time)"),
+    "page_size": ((1, None), "--page-size 1", "paged KV is not supported yet"),  # None: SGLang's default, 1
+    "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
+    "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
+    "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),
+}
+
+
+class UnsupportedConfigError(RuntimeError):
+    """SGLang runs in a configuration Tail-Replay does not support; the message names the flag."""
+
+
+def check_version(version: str) -> None:
+    if version != SGLANG_VERSION:
+        raise UnsupportedConfigError(f"--enable-tail-replay supports sglang=={SGLANG_VERSION} only (its hooks patch "
+                                     f"that release's internals); this is sglang {version}")
+
+
+def unsupported(server_args) -> list[str]:
+    """One message per field of SGLang's resolved configuration that Tail-Replay does not support."""
+    problems = []
+    for field, (allowed, flag, why) in SUPPORTED.items():
+        value = getattr(server_args, field, allowed[0])
+        if value not in allowed:
+            problems.append(f"{flag} (is {value!r}; supported: {' or '.join(repr(a) for a in allowed)}): {why}")
+    return problems
+
+
+def check_resolved(server_args) -> None:
+    problems = unsupported(server_args)
+    if problems:
+        raise UnsupportedConfigError("--enable-tail-replay does not support SGLang's resolved configuration: "
+                                     + "; ".join(problems))
