@@ -64,8 +64,9 @@ ALWAYS = (
 
 RUNTIME = (
     Hook(f"{_SRT}.mem_cache.registry.register_radix_cache_backend", "call", f"{_PKG}.lifecycle:register_cache_backend",
-         "backend `tail_replay`: SGLang's create_unified_radix_cache with our MAMBA component (matches at any "
-         "token, copies the nearest anchor into a hit's slot)", bound=True),
+         "backend `tail_replay`: fails closed on an unsupported resolved configuration or a hook that did not apply "
+         "(lifecycle.build_tree_cache), then SGLang's create_unified_radix_cache with our MAMBA component (matches "
+         "at any token, copies the nearest anchor into a hit's slot)", bound=True),
     Hook(f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size", "around",
          f"{_PKG}.lifecycle:add_store_to_cell_size",
          "where the per-token cost that sizes the KV pool is computed: the device-tier store's bytes make fewer "

@@ -161,8 +161,19 @@ def register() -> None:
     from tailreplay_sglang import hooks
 
     hooks.register_always()  # the flags, request validation, meta_info, OLMo-Hybrid
+    if not _spawned():
+        # A launcher (or an Engine's own process) reads its config from its flags or keywords, never from an
+        # environment an earlier launch left behind; it hands its own config to the processes it spawns.
+        return
     config = TailReplayConfig.from_env()
     if config.enabled:  # in SGLang's scheduler process, spawned after the launcher validated the flags
         from tailreplay_sglang.runtime import TailReplayRuntime
 
         hooks.register_runtime(TailReplayRuntime.for_scheduler(config))
+
+
+def _spawned() -> bool:
+    """Whether this process was started by SGLang through multiprocessing (schedulers, TP/DP ranks, detokenizer)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None

@@ -136,3 +136,25 @@ def test_a_hook_that_did_not_apply_stops_the_start_up():
     assert missing in str(caught.value)
     anchors_off = TailReplayRuntime(TailReplayConfig(enabled=True, exact_budget=0))
     hooks.verify_applied(anchors_off, patched={h.target for h in hooks.RUNTIME})  # no anchor hooks expected
+
+
+def test_a_launcher_never_takes_a_config_left_in_its_environment():
+    """`TAILREPLAY_CONFIG` written by an earlier launch (an Engine in the same process, an exported shell variable)
+    registers no runtime in a process SGLang did not spawn: a launcher takes its config from its own flags."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tailreplay_sglang.config import ENV_VAR
+
+    code = ("from sglang.srt.plugins.hook_registry import HookRegistry; from tailreplay_sglang import plugin; "
+            "plugin.register(); print(sorted(HookRegistry._hooks))")
+    env = {**os.environ, ENV_VAR: json.dumps(dataclasses.asdict(TailReplayConfig(enabled=True)))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    registered = out.stdout.strip().splitlines()[-1]
+    assert "ServerArgs.from_cli_args" in registered  # the always-on table
+    assert "prepare_for_extend" not in registered and "alloc_memory_pool" not in registered
+    # Tail-Replay servers in the other tests show the other side: their spawned schedulers do register the runtime
