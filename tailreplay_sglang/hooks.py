@@ -7,7 +7,8 @@ Functions are `module:name` strings, resolved only when their table is registere
 registers the flags only, never imports the scheduler-side modules.
 
 Tables, by where they are registered:
-- `ALWAYS`: every SGLang process, with or without `--enable-tail-replay` (plugin entry point `tailreplay`);
+- `ALWAYS`: every SGLang process, with or without `--enable-tail-replay` (plugin entry point `tailreplay`), and
+  `MODEL_LOADER` in those that already loaded SGLang's model loader;
 - `RUNTIME` and `INTERVAL_ANCHORS`: scheduler processes with Tail-Replay enabled; rows marked `bound` get the
   process's `TailReplayRuntime` as their function's first parameter; the second table only where the CPU prefill ops
   can write anchor states;
@@ -57,6 +58,10 @@ ALWAYS = (
     Hook(f"{_SRT}.configs.linear_attn_model_registry.register_linear_attn_model", "call",
          f"{_PKG}.models:register_linear_attention",
          "SGLang's route for external hybrid models: OLMo-Hybrid becomes hybrid-SSM with our GDN backend"),
+)
+
+# Only where SGLang's model loader is already imported (the scheduler): resolving the target imports every model.
+MODEL_LOADER = (
     Hook(f"{_SRT}.model_loader.utils.get_model_architecture", "before", f"{_PKG}.models:add_model_classes",
          "puts OLMo-Hybrid in ModelRegistry just before SGLang resolves an architecture (importing the registry "
          "imports every model, so only where the model loader is already loaded: the scheduler)"),
@@ -162,22 +167,20 @@ def _register(table, runtime=None) -> None:
 
 
 def register_always() -> None:
-    """Plugin `tailreplay`, every process. The model-class hook only where SGLang's model loader is already
-    loaded (the scheduler), since resolving its target imports every model."""
-    _register(hook for hook in ALWAYS if _loaded_or_light(hook))
+    """Plugin `tailreplay`, every process; `MODEL_LOADER` where SGLang's model loader is already loaded."""
+    _register(ALWAYS)
+    if all(hook.target.rpartition(".")[0] in sys.modules for hook in MODEL_LOADER):
+        _register(MODEL_LOADER)
 
 
-def _loaded_or_light(hook: Hook) -> bool:
-    if hook.target.endswith(".get_model_architecture"):
-        return hook.target.rpartition(".")[0] in sys.modules
-    return True
+def runtime_tables(runtime) -> tuple[Hook, ...]:
+    """The rows a runtime registers: interval-anchor rows only where its ops can write anchor states."""
+    return RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
 
 
 def register_runtime(runtime) -> None:
     """Scheduler process with Tail-Replay enabled: the `bound` rows get its runtime."""
-    _register(RUNTIME, runtime)
-    if runtime.interval_anchors is not None:
-        _register(INTERVAL_ANCHORS, runtime)
+    _register(runtime_tables(runtime), runtime)
 
 
 def verify_applied(runtime, patched=None) -> None:
@@ -186,8 +189,8 @@ def verify_applied(runtime, patched=None) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         patched = HookRegistry._patched
-    tables = RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
-    missing = [hook.target for hook in tables if hook.kind in HOOK_KINDS and hook.target not in patched]
+    missing = [hook.target for hook in runtime_tables(runtime)
+               if hook.kind in HOOK_KINDS and hook.target not in patched]
     if missing:
         raise RuntimeError(f"Tail-Replay: {len(missing)} SGLang hook(s) did not apply (SGLang's log says why), so "
                            f"hits would not be replayed correctly: {', '.join(missing)}")

@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from tailreplay_sglang import capture, replay, visibility
-from tailreplay_sglang.cache.component import MATCH_ATTR, is_exact
+from tailreplay_sglang import capture, hooks, replay, supported, visibility
+from tailreplay_sglang.cache.component import MATCH_ATTR, create_tail_replay_cache, is_exact
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
 from tailreplay_sglang.store.hidden_store import HiddenStore, bytes_per_token
@@ -140,9 +140,6 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
     """The radix-cache backend, built by each scheduler once every plugin's hooks are applied: the first point where
     it can be checked, failing closed, that they all took effect and that SGLang's resolved configuration is one
     Tail-Replay supports (`supported.py`)."""
-    from tailreplay_sglang import hooks, supported
-    from tailreplay_sglang.cache.component import create_tail_replay_cache
-
     supported.check_resolved(ctx.server_args)
     hooks.verify_applied(runtime)
     return create_tail_replay_cache(runtime, ctx)

@@ -77,12 +77,9 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
 def _check_version() -> None:
     import sglang
 
-    from tailreplay_sglang.supported import UnsupportedConfigError, check_version
+    from tailreplay_sglang.supported import check_version
 
-    try:
-        check_version(getattr(sglang, "__version__", "unknown"))
-    except UnsupportedConfigError as e:
-        raise TailReplayConfigError(str(e)) from None
+    check_version(getattr(sglang, "__version__", "unknown"))
 
 
 def _check_combination(args: argparse.Namespace) -> None:

@@ -9,6 +9,8 @@ Three checks, each raising with a message that names what to change:
   fails to apply, and a server missing one would serve hits without a replay.
 """
 
+from tailreplay_sglang.config import TailReplayConfigError
+
 SGLANG_VERSION = "0.5.23"
 
 # ServerArgs field -> (values Tail-Replay supports, the flag a user changes, why). Fields SGLang derives from
@@ -40,7 +42,7 @@ SUPPORTED = {
 }
 
 
-class UnsupportedConfigError(RuntimeError):
+class UnsupportedConfigError(TailReplayConfigError):
     """SGLang runs in a configuration Tail-Replay does not support; the message names the flag."""
 
 

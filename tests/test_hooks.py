@@ -16,7 +16,7 @@ from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.runtime import TailReplayRuntime
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tailreplay_sglang"
-REGISTERED = hooks.ALWAYS + hooks.RUNTIME + hooks.INTERVAL_ANCHORS + hooks.CPU_ENGINE
+REGISTERED = hooks.ALWAYS + hooks.MODEL_LOADER + hooks.RUNTIME + hooks.INTERVAL_ANCHORS + hooks.CPU_ENGINE
 
 
 @pytest.mark.parametrize("hook", REGISTERED, ids=lambda h: h.target.rsplit(".", 2)[-2] + "." + h.kind)

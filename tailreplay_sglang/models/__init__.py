@@ -1,6 +1,6 @@
-"""Models SGLang 0.5.23 lacks, served through its own out-of-tree registration points. `hooks.py` (table `ALWAYS`)
-calls these in every SGLang process, with or without `--enable-tail-replay`; nothing for the user to do beyond
-installing the package.
+"""Models SGLang 0.5.23 lacks, served through its own out-of-tree registration points. `hooks.py` (tables `ALWAYS`
+and `MODEL_LOADER`) calls these in SGLang's processes, with or without `--enable-tail-replay`; nothing for the user
+to do beyond installing the package.
 
 - config: `_CONFIG_REGISTRY` (SGLang's model_type -> config class map; `get_config` re-reads a registered model_type
   through its class) gets our subclass of transformers' `OlmoHybridConfig`, which adds what SGLang's hybrid code
