@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3.11}
 TORCH=torch==2.13.0
+# The torchvision release built for torch 2.13. PyPI only has its CUDA build: its Python side (the image transforms
+# that vision-language preprocessing uses) runs on CPU torch, its C++ ops cannot load (tailreplay_sglang.cpu.fallback).
+TORCHVISION=torchvision==0.28.0
 SGLANG=sglang==0.5.23
 PIP_FLAGS=(--quiet --disable-pip-version-check)
 
@@ -57,11 +60,13 @@ install() {
   say "installing pinned dependencies (requirements/cpu.lock)"
   echo "$TORCH" > "$VENV/torch-constraint.txt"  # nothing may replace the CPU torch
   "$VENV/bin/pip" install "${PIP_FLAGS[@]}" -c "$VENV/torch-constraint.txt" -r requirements/cpu.lock
+  say "installing $TORCHVISION (Python side only; its CUDA ops stay unloaded)"
+  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "$TORCHVISION"
   say "installing $SGLANG without its CUDA-only dependencies"
   "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "$SGLANG"
   say "installing tailreplay-sglang (editable)"
   "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e .
-  "$VENV/bin/python" -c "import sglang, sgl_kernel, tailreplay_sglang, torch; assert not torch.cuda.is_available()"
+  "$VENV/bin/python" -c "import sglang, sgl_kernel, tailreplay_sglang, torch, torchvision; assert not torch.cuda.is_available()"
   echo "$want" > "$stamp"
   say "done in $((SECONDS - start)) s"
 }

@@ -14,12 +14,13 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
+                          PretrainedConfig, PreTrainedModel)
 
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
@@ -31,9 +32,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen's vision special tokens, which the vision-language presets' tokenizers add after the ChatML ones.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen's chat template reduced to ChatML with images: a message's content is a string or a list of parts, and each
+# image part becomes the vision span that the processor expands to one <|image_pad|> per merged patch.
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -54,6 +73,22 @@ class MoE:
     num_experts_per_tok: int
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
+
+
+@dataclass(frozen=True)
+class Vision:
+    """A Qwen3.5 vision tower (transformers' Qwen3_5VisionConfig) and its image processor's patching."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    num_position_embeddings: int  # a square grid of learnt positions, interpolated to each image's patch grid
+    spatial_merge_size: int = 2  # 2 x 2 patches merge into one language-model token
+    temporal_patch_size: int = 2
+    min_pixels: int = 32 * 32
+    max_pixels: int = 128 * 128
 
 
 @dataclass(frozen=True)
@@ -81,12 +116,20 @@ class Preset:
     # (docs/quality.md, recipe 4): its full-attention layers need fast frequencies for a previous-token head.
     rope_theta: float = ROPE_THETA
     partial_rotary_factor: float = PARTIAL_ROTARY_FACTOR
+    # A vision-language checkpoint (Qwen3_5ForConditionalGeneration, as Qwen publishes Qwen3.5) with this tower.
+    vision: Vision | None = None
+    # Multimodal RoPE: the rotated pairs split over (time, height, width) positions, interleaved as Qwen3.5's.
+    mrope_section: tuple[int, ...] | None = None
 
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
 TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_head_dim=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=32768, dtype="float32")
+
+# 8-pixel patches: a 64 x 64 image is 8 x 8 patches, 16 language-model tokens after the 2 x 2 merge.
+TINY_VISION = Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=8,
+                     num_position_embeddings=256)
 
 PRESETS: dict[str, Preset] = {
     "tiny-qwen35": Preset(
@@ -98,6 +141,15 @@ PRESETS: dict[str, Preset] = {
     ),
     "tiny-qwen35-moe": Preset(
         model_type="qwen3_5_moe_text", **TINY,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    # Vision-language checkpoints as Qwen publishes Qwen3.5: the tiny text stack under a tiny vision tower, with a
+    # processor. Half of each head rotates, so the multimodal RoPE has 4 pairs to split (Qwen3.5: [11, 11, 10]).
+    "tiny-qwen35-vl": Preset(
+        model_type="qwen3_5", **TINY, vision=TINY_VISION, partial_rotary_factor=0.5, mrope_section=(2, 1, 1),
+    ),
+    "tiny-qwen35-moe-vl": Preset(
+        model_type="qwen3_5_moe", **TINY, vision=TINY_VISION, partial_rotary_factor=0.5, mrope_section=(2, 1, 1),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # The quality-evaluation model (`tailreplay_eval.training`): trained on RULER-style tasks, ~2M parameters.
@@ -130,15 +182,16 @@ PRESETS: dict[str, Preset] = {
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
 
-def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = ()) -> Tokenizer:
-    """Byte-level BPE (so any text round-trips) with the ChatML special tokens at ids 0, 1, 2, trained on
-    `training_corpus()` plus `extra_texts`."""
+def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = (),
+                    special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
+    """Byte-level BPE (so any text round-trips) with the special tokens first (the ChatML ones at ids 0, 1, 2),
+    trained on `training_corpus()` plus `extra_texts`."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -151,12 +204,12 @@ def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = ()) -> Token
 
 def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
-    if not preset.task_words:
-        return train_tokenizer(preset.vocab_size)
-    return train_tokenizer(preset.vocab_size, vocabulary_texts())
+    special = SPECIAL_TOKENS + (VISION_TOKENS if preset.vision else ())
+    return train_tokenizer(preset.vocab_size, vocabulary_texts() if preset.task_words else (), special)
 
 
-def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int,
+                   chat_template: str = CHAT_TEMPLATE) -> None:
     """tokenizer.json plus a hand-written tokenizer_config.json.
 
     transformers 5's own writer puts the chat template in a separate chat_template.jinja and names its v5-only
@@ -170,7 +223,7 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": model_max_length,
         # Byte-level BPE decodes exactly; the default clean-up would rewrite spaces before punctuation.
         "clean_up_tokenization_spaces": False,
@@ -223,9 +276,53 @@ def olmo_hybrid_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig
     )
 
 
+def vision_language_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' Qwen3_5Config / Qwen3_5MoeConfig: the text config of `preset` (with multimodal RoPE) under a
+    vision tower, and the vision special tokens' ids."""
+    vision = preset.vision
+    text = model_config(replace(preset, model_type=f"{preset.model_type}_text", vision=None), tokenizer)
+    text.rope_parameters["mrope_section"] = list(preset.mrope_section)
+    text.rope_parameters["mrope_interleaved"] = True  # transformers' Qwen3.5 always interleaves
+    text_fields = dict(text.to_dict(), rope_theta=preset.rope_theta)  # to_dict drops the top-level copy SGLang reads
+    config = AutoConfig.for_model(
+        preset.model_type,
+        text_config=text_fields,
+        vision_config=dict(
+            depth=vision.depth, hidden_size=vision.hidden_size, num_heads=vision.num_heads,
+            intermediate_size=vision.intermediate_size, patch_size=vision.patch_size,
+            spatial_merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size,
+            out_hidden_size=preset.hidden_size, num_position_embeddings=vision.num_position_embeddings,
+        ),
+        image_token_id=tokenizer.token_to_id(IMAGE_PAD), video_token_id=tokenizer.token_to_id(VIDEO_PAD),
+        vision_start_token_id=tokenizer.token_to_id(VISION_START),
+        vision_end_token_id=tokenizer.token_to_id(VISION_END),
+        tie_word_embeddings=False,
+    )
+    # Qwen3.5 has no deepstack features; SGLang's vision config defaults to Qwen3-VL's [8, 16, 24] unless told.
+    config.vision_config.deepstack_visual_indexes = []
+    return config
+
+
+def save_processor(preset: Preset, out_dir: Path) -> None:
+    """The processor Qwen3.5 checkpoints ship (Qwen3VLProcessor: image and video processors over the tokenizer)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    vision = preset.vision
+    patching = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                    temporal_patch_size=vision.temporal_patch_size,
+                    size={"shortest_edge": vision.min_pixels, "longest_edge": vision.max_pixels},
+                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**patching),
+                                 tokenizer=AutoTokenizer.from_pretrained(out_dir),
+                                 video_processor=Qwen3VLVideoProcessor(**patching), chat_template=VL_CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+
+
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
+    if preset.vision is not None:
+        return vision_language_config(preset, tokenizer)
     moe_fields = {}
     if preset.moe is not None:
         # decoder_sparse_step=1 and no mlp_only_layers: every layer is MoE, which is all SGLang's Qwen3-Next supports.
@@ -284,7 +381,8 @@ def _vary_norm_weights(model: PreTrainedModel) -> None:
 def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedModel:
     """HF's own init (normal std 0.02) drawn in float32 from `seed`, so every dtype rounds the same weights."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     _init_gdn_gates(model)
     if config.model_type == "olmo_hybrid":
         _vary_norm_weights(model)
@@ -319,7 +417,11 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
-    save_tokenizer(tokenizer, staging, preset.max_position_embeddings)
+    template = CHAT_TEMPLATE if preset.vision is None else VL_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)
+    if preset.vision is not None:
+        save_processor(preset, staging)
+        save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # ours over the processor's
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors

@@ -136,6 +136,10 @@ ELSEWHERE = (
          "tailreplay_sglang_cpu_fallback.pth -> tailreplay_sglang.cpu.fallback:install",
          "SGLang imports sgl_kernel on every device and its CPU build is not on PyPI: served from torch ops where "
          "the real package is missing, and only under SGLANG_USE_CPU_ENGINE=1"),
+    Hook("sys.meta_path (first): torchvision", "import",
+         "tailreplay_sglang_cpu_fallback.pth -> tailreplay_sglang.cpu.fallback:TorchvisionOpsFinder",
+         "PyPI's torchvision is a CUDA build; its image transforms run on CPU torch, but its import needs two op "
+         "schemas its C++ extension would define: defined in Python where that extension cannot load"),
     Hook("sys.meta_path (first): sglang.srt.entrypoints.engine.Engine.__init__, "
          "sglang.lang.backend.runtime_endpoint.Runtime.__init__", "import",
          "tailreplay_sglang_python_api.pth -> tailreplay_sglang.python_api:install",

@@ -4,6 +4,12 @@ A hybrid model is a stack of groups: group 0 is the linear-attention (GDN) layer
 (FA) layer, fed by the token embeddings; every later group is the GDN layers following one FA layer. For each group
 after group 0 the store keeps, per token, the residual-stream value entering the group's first GDN layer (the FA
 layer's output hidden); replaying a group needs nothing else.
+
+Vision-language checkpoints (a `vision_config`: Qwen3.5 as Qwen publishes it) store group 0's input too. There the
+first layer's input is not a function of the token id: SGLang puts the vision tower's features in the rows of image
+tokens (whose ids it clamps to vocab - 1), and a request may bring its own `input_embeds`. Storing that input costs
+one hidden per token more; replaying from re-embedded ids would rebuild the state of every group 0 from the wrong
+input wherever a replay covers an image.
 """
 
 import json
@@ -11,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LINEAR, FULL = "linear_attention", "full_attention"
-SUPPORTED = "Qwen3.5 (dense and MoE), Qwen3-Next and OLMo-Hybrid: models whose config lists linear_attention layers"
+SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid: models whose config "
+             "lists linear_attention layers")
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class Group:
 class HybridLayout:
     layer_types: tuple[str, ...]
     hidden_size: int
+    stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -44,9 +52,10 @@ class HybridLayout:
 
     @property
     def stored_groups(self) -> tuple[Group, ...]:
-        """Groups whose replay input comes from the hidden store (every group not fed by the embeddings)."""
+        """Groups whose replay input comes from the hidden store: every group not fed by the embeddings, and that
+        one too where the embeddings are stored."""
         first_fa = self.layer_types.index(FULL) if FULL in self.layer_types else len(self.layer_types)
-        return tuple(g for g in self.groups if g.first_layer > first_fa)
+        return tuple(g for g in self.groups if g.first_layer > first_fa or self.stores_embeddings)
 
     def bytes_per_token(self, itemsize: int) -> int:
         return len(self.stored_groups) * self.hidden_size * itemsize
@@ -55,7 +64,10 @@ class HybridLayout:
     def from_hf_config(cls, config) -> "HybridLayout":
         """From a transformers config (or its `text_config` for vision-language checkpoints)."""
         text = getattr(config, "text_config", None) or config
-        return cls(_layer_types(text), text.hidden_size)
+        vision = getattr(config, "vision_config", None)
+        if vision is not None:
+            _require_no_deepstack(getattr(vision, "deepstack_visual_indexes", None) or [])
+        return cls(_layer_types(text), text.hidden_size, stores_embeddings=vision is not None)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -63,7 +75,10 @@ class HybridLayout:
         if config_file.exists():  # local checkpoint: no transformers import needed at flag-parsing time
             raw = json.loads(config_file.read_text())
             text = raw.get("text_config", raw)
-            return cls(_layer_types(_Attrs(text)), text["hidden_size"])
+            vision = raw.get("vision_config")
+            if vision is not None:
+                _require_no_deepstack(vision.get("deepstack_visual_indexes") or [])
+            return cls(_layer_types(_Attrs(text)), text["hidden_size"], stores_embeddings=vision is not None)
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -73,6 +88,14 @@ class HybridLayout:
             raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers; "
                              f"{model_path} has none. Supported: {SUPPORTED}")
         return self
+
+
+def _require_no_deepstack(indexes) -> None:
+    """Qwen3-VL's deepstack adds visual features to the outputs of the first layers, inside group 0, which the
+    replay does not add back. Qwen3.5's vision-language checkpoints have none."""
+    if indexes:
+        raise ValueError(f"--enable-tail-replay does not replay deepstack visual features (vision_config."
+                         f"deepstack_visual_indexes={list(indexes)}). Supported: {SUPPORTED}")
 
 
 class _Attrs:

@@ -40,6 +40,16 @@ def tiny_olmo_hybrid() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen35_vl() -> Path:
+    return build_model("tiny-qwen35-vl", MODELS_DIR / "tiny-qwen35-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe_vl() -> Path:
+    return build_model("tiny-qwen35-moe-vl", MODELS_DIR / "tiny-qwen35-moe-vl")
+
+
+@pytest.fixture(scope="session")
 def tok_qwen35(tiny_qwen35):
     return AutoTokenizer.from_pretrained(tiny_qwen35)
 

@@ -261,7 +261,18 @@ except NotImplementedError as e:
     assert "merge_state_v2" in str(e)
 else:
     raise AssertionError("stub did not raise")
-import torchvision.transforms as T
+import torchvision
+from PIL import Image
+from torchvision.transforms.v2 import functional as TF
+assert not getattr(torchvision, "__tailreplay_fallback__", False), "the real torchvision, not the stub"
+image = TF.pil_to_tensor(Image.new("RGB", (32, 24), (200, 10, 10)))  # what image preprocessing runs
+assert TF.resize(image, [12, 16]).shape == (3, 12, 16) and int(image[0, 0, 0]) == 200
+try:
+    torchvision.ops.nms(torch.rand(3, 4), torch.rand(3), 0.5)  # its CUDA-built C++ ops stay unloaded
+except RuntimeError as e:
+    assert "C++ ops" in str(e)
+else:
+    raise AssertionError("nms ran without torchvision's C++ ops")
 print("ok")
 """
 

@@ -37,3 +37,33 @@ def test_plain_transformer_is_refused():
 
     with pytest.raises(ValueError, match="linear-attention"):
         layout("AAAA").require_hybrid("some/llama")
+
+
+def test_a_vision_language_checkpoint_stores_group_zeros_input_too(tiny_qwen35_vl, tiny_qwen35):
+    """The first layer's input is the vision tower's features on image tokens, not an embedding of their ids: it is
+    stored like every later group's input (one hidden per token more), from config.json or a loaded config."""
+    from transformers import AutoConfig
+
+    for lay in (HybridLayout.from_model_path(str(tiny_qwen35_vl)),
+                HybridLayout.from_hf_config(AutoConfig.from_pretrained(tiny_qwen35_vl))):
+        assert lay.stores_embeddings
+        assert [g.index for g in lay.stored_groups] == [0, 1]
+        assert lay.bytes_per_token(4) == 2 * 64 * 4
+    assert not HybridLayout.from_model_path(str(tiny_qwen35)).stores_embeddings
+
+
+def test_deepstack_visual_features_are_refused(tiny_qwen35_vl, tmp_path):
+    """Qwen3-VL-style deepstack adds visual features inside group 0, which the replay does not: refused at start-up
+    with what is supported."""
+    import json
+    import shutil
+
+    import pytest
+
+    path = tmp_path / "deepstack"
+    shutil.copytree(tiny_qwen35_vl, path)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"]["deepstack_visual_indexes"] = [0, 1]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"deepstack_visual_indexes=\[0, 1\]\). Supported: Qwen3.5"):
+        HybridLayout.from_model_path(str(path))

@@ -5,8 +5,15 @@ A finder appended to the *end* of `sys.meta_path` is consulted only after every 
 changes nothing where the real packages are installed (the GPU route):
 
 - `sgl_kernel` (and submodules) -> `tailreplay_sglang.cpu.sgl_kernel_shim` (pure-torch CPU ops);
-- `torchvision` (and submodules) -> a stub. SGLang's config package imports torchvision for vision models'
-  preprocessing; PyPI's torchvision is a CUDA build that cannot load beside CPU torch, and text models never use it.
+- `torchvision` (and submodules), where it is not installed -> a stub. SGLang's config package imports torchvision
+  for vision models' preprocessing.
+
+A second finder, placed *first*, runs once before the real torchvision is imported (`TorchvisionOpsFinder`). PyPI's
+torchvision is a CUDA build: its Python side (the image transforms SGLang's and transformers' image processors use)
+runs on CPU torch, its C++ ops (`_C`) cannot load, and torchvision then handles their absence everywhere but in two
+fake-kernel registrations (`torchvision::nms`, `qnms`) that fail at import. The finder defines those two schemas
+when `_C` cannot load, so `import torchvision` works; calling the ops raises torchvision's own "Couldn't load
+custom C++ ops" error.
 
 It must run in every process (SGLang spawns its scheduler before any plugin can act), hence the .pth file. It is
 inert unless SGLang can only run its CPU engine: it serves nothing unless `SGLANG_USE_CPU_ENGINE=1` or the installed
@@ -110,6 +117,47 @@ class CpuFallbackFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class TorchvisionOpsFinder(importlib.abc.MetaPathFinder):
+    """First on `sys.meta_path`: prepares torch for the real torchvision's import, then lets the normal finders
+    find it (always returns None)."""
+
+    prepared = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torchvision" and not TorchvisionOpsFinder.prepared and serves():
+            TorchvisionOpsFinder.prepared = True
+            try:
+                _define_torchvision_ops_without_c_extension()
+            except Exception as e:  # never break an import: torchvision then fails (or not) as it would without us
+                warnings.warn(f"tailreplay_sglang CPU fallback: torchvision not prepared ({e!r})", RuntimeWarning)
+        return None
+
+
+_torchvision_library = None  # the Library object must outlive the import: dropping it would undefine the ops
+
+
+def _define_torchvision_ops_without_c_extension() -> None:
+    global _torchvision_library
+    import glob
+    import os
+
+    import torch
+
+    spec = importlib.machinery.PathFinder.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return  # not installed: the end finder serves the stub
+    for location in spec.submodule_search_locations:
+        for lib in glob.glob(os.path.join(location, "_C*.so")):
+            try:
+                torch.ops.load_library(lib)  # a CPU build of torchvision loads: it defines its ops itself
+                return
+            except OSError:
+                pass
+    _torchvision_library = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        _torchvision_library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
 def is_active(module_name: str = "sgl_kernel") -> bool:
     """True when `module_name` was served by this fallback rather than the real package."""
     module = sys.modules.get(module_name)
@@ -119,3 +167,5 @@ def is_active(module_name: str = "sgl_kernel") -> bool:
 def install() -> None:
     if not any(isinstance(f, CpuFallbackFinder) for f in sys.meta_path):
         sys.meta_path.append(CpuFallbackFinder())
+    if not any(isinstance(f, TorchvisionOpsFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, TorchvisionOpsFinder())

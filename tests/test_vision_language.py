@@ -1,0 +1,233 @@
+"""Qwen3.5 as Qwen publishes it: vision-language checkpoints (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`, tiny presets with a vision tower and a processor), images in prompts and chats.
+
+SGLang keys an image's tokens in the radix tree by a hash of the image and feeds the first layer the vision tower's
+features in their rows, so a replay over an image must start from what the first layer got, not from re-embedded
+ids (`layout.py`: vision-language checkpoints store group 0's input). Checked here against HF transformers (stock
+SGLang) and against each server's own no-cache prefill (the cache flushed, the same request again), by the
+log-probs of the prompt tokens after the hit and of the outputs (teacher-forced, so a near-tie cannot hide an
+error) and the first greedy token. Measured on this model: a replay that re-embeds the ids misses by 0.020 nats per
+token on average (0.071 at most) and changes the greedy outputs; from the stored input, 1.7e-4 (7.5e-4 at most).
+"""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import requests
+import torch
+from PIL import Image
+from transformers import AutoProcessor
+
+from helpers import EXACT_FLAGS, Spec, start_servers
+from tailreplay_eval.reference import load_hf_model
+from tailreplay_eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+TOL = 2e-3  # mean nats per token: 10x below what re-embedded ids miss by (module docstring)
+IMAGE_PX = 128  # 16 x 16 patches of 8 px: 64 tokens after the 2 x 2 merge
+IMAGE_TOKENS = (IMAGE_PX // 16) ** 2
+CHUNK = 32  # the anchored server's prefill chunk: chunk-end anchors fall inside an image
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+NEW = 8
+
+
+def user_turn(content: str) -> str:
+    return f"<|im_start|>user\n{content}"
+
+
+def prompt(content: str) -> str:
+    return f"{user_turn(content)}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((IMAGE_PX, IMAGE_PX, 3)) * 255).astype("uint8"))
+
+
+def data_uri(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
+    """Started together:
+    - stock: SGLang as it comes (the HF comparison);
+    - anchored: Tail-Replay's defaults, prefill chunks of CHUNK tokens so that anchors sit inside images;
+    - paper_moe: the MoE checkpoint in the paper's mode, replaying the whole prefix from a cleared state."""
+    yield from start_servers(tmp_path_factory, {
+        "stock": Spec(tiny_qwen35_vl, ("--enable-cache-report",)),
+        "anchored": Spec(tiny_qwen35_vl, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
+                                          str(CHUNK))),
+        "paper_moe": Spec(tiny_qwen35_moe_vl, EXACT_FLAGS),
+    })
+
+
+def generate(server, text: str, images: list, max_new: int = NEW, start: int | None = None) -> dict:
+    """Greedy /generate; with `start`, the log-probs of the prompt tokens from `start` on (-1: none) and outputs."""
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    if images:
+        body["image_data"] = [data_uri(i) for i in images]
+    if start is not None:
+        body.update(return_logprob=True, logprob_start_len=start)
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def scored(server, text, images, start) -> dict:
+    out = generate(server, text, images, start=start)
+    meta = out["meta_info"]
+    lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
+    lps += [lp for lp, _, _ in meta["output_token_logprobs"]]
+    return {"meta": meta, "output_ids": out["output_ids"], "logprobs": np.array(lps)}
+
+
+def no_cache(server, text, images, start) -> dict:
+    flush_cache(server.base_url)
+    out = scored(server, text, images, start)
+    assert out["meta"]["cached_tokens"] == 0
+    return out
+
+
+def assert_as_no_cache(hit: dict, ref: dict) -> None:
+    assert len(hit["logprobs"]) == len(ref["logprobs"])
+    assert np.abs(hit["logprobs"] - ref["logprobs"]).mean() < TOL
+    assert hit["output_ids"][0] == ref["output_ids"][0]
+
+
+# ---- stock SGLang serves the checkpoints as HF does ----
+
+@pytest.fixture(scope="module")
+def hf_vl(tiny_qwen35_vl):
+    return load_hf_model(tiny_qwen35_vl), AutoProcessor.from_pretrained(tiny_qwen35_vl)
+
+
+@torch.no_grad()
+def hf_greedy(hf, text, images, max_new=NEW) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens for the prompt, and their log-probs from one teacher-forced forward."""
+    model, processor = hf
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+    out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+    tokens = out[0, n:].tolist()
+    full = dict(inputs, input_ids=out, attention_mask=torch.ones_like(out))
+    if "mm_token_type_ids" in inputs:  # which tokens are image tokens: none of the generated ones
+        types = inputs["mm_token_type_ids"]
+        full["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, out.shape[1] - n)], dim=1)
+    logits = model(**full).logits[0, n - 1:-1].float()
+    return tokens, logits.log_softmax(-1).gather(-1, out[0, n:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("images", [0, 1, 2], ids=["text", "one-image", "two-images"])
+def test_stock_serves_text_and_images_as_hf_does(servers, hf_vl, images):
+    content = "".join(VISION + f" picture {i}." for i in range(images)) + " What do these show?"
+    imgs = [image(i) for i in range(images)]
+    tokens, lps = hf_greedy(hf_vl, prompt(content), imgs)
+    out = generate(servers["stock"], prompt(content), imgs, start=-1)
+    assert out["output_ids"] == tokens
+    served = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert np.abs(np.array(served) - np.array(lps)).max() < 1e-3
+    assert out["meta_info"].get("image_tokens", 0) == images * IMAGE_TOKENS
+
+
+# ---- Tail-Replay: every hit that covers an image answers as no cache does ----
+
+QUESTION = " Describe it."
+IMAGE_START = 5  # "<|im_start|>user\n<|vision_start|>" is 5 tokens: the image's tokens are [5, 69)
+FOLLOW_UP = " Then say which colour covers most of it, and why that might be."
+
+
+@pytest.mark.parametrize("name", ["anchored", "paper_moe"])
+def test_a_hit_through_an_image_equals_no_cache(servers, name):
+    """A fork after an image: the second request matches through the image, and (anchored, chunks of CHUNK tokens)
+    its replay starts at a chunk-end anchor inside the image."""
+    server = servers[name]
+    first, second = prompt(VISION + QUESTION), prompt(VISION + QUESTION + FOLLOW_UP)
+    start = generate(server, first, [image(0)], max_new=1)["meta_info"]["prompt_tokens"] - 4
+    ref = no_cache(server, second, [image(0)], start)
+    flush_cache(server.base_url)  # else the first request hits the reference and leaves an anchor at its match end
+    generate(server, first, [image(0)], max_new=1)
+    hit = scored(server, second, [image(0)], start)
+    meta = hit["meta"]
+    assert meta["cached_tokens"] > IMAGE_TOKENS + 2 and meta["tail_replay_exact"] is True
+    if name == "anchored":
+        anchor = meta["tail_replay_anchor"]
+        assert anchor is not None and anchor % CHUNK == 0 and IMAGE_START < anchor < IMAGE_START + IMAGE_TOKENS
+    else:
+        assert meta["tail_replay_tokens"] == meta["cached_tokens"]  # the whole prefix, from a cleared state
+    assert_as_no_cache(hit, ref)
+
+
+def test_different_images_with_the_same_text_never_share_past_the_image(servers):
+    server = servers["anchored"]
+    flush_cache(server.base_url)
+    text = prompt(VISION + QUESTION)
+    generate(server, text, [image(0)], max_new=1)
+    other = scored(server, text, [image(1)], start=0)
+    assert other["meta"]["cached_tokens"] <= IMAGE_START  # the text before the image at most
+    ref = no_cache(server, text, [image(1)], start=0)
+    assert_as_no_cache(other, ref)
+
+
+def test_an_image_later_in_the_prompt_is_replayed_exactly(servers):
+    """Text, an image, text: the hit covers the image from the middle of the prompt; the anchor at the shared
+    text's chunk end lies before it."""
+    server = servers["anchored"]
+    lead = " A long shared instruction that comes before the picture arrives." * 2
+    first = prompt(lead + VISION + QUESTION)
+    second = prompt(lead + VISION + QUESTION + FOLLOW_UP)
+    start = generate(server, first, [image(2)], max_new=1)["meta_info"]["prompt_tokens"] - 4
+    ref = no_cache(server, second, [image(2)], start)
+    flush_cache(server.base_url)
+    generate(server, first, [image(2)], max_new=1)
+    hit = scored(server, second, [image(2)], start)
+    assert hit["meta"]["cached_tokens"] > IMAGE_TOKENS + 30 and hit["meta"]["tail_replay_exact"] is True
+    assert_as_no_cache(hit, ref)
+
+
+def chat(server, messages, max_tokens=NEW) -> dict:
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json={
+        "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "logprobs": True},
+        timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def chat_logprobs(response) -> np.ndarray:
+    return np.array([t["logprob"] for t in response["choices"][0]["logprobs"]["content"]])
+
+
+@pytest.mark.parametrize("name", ["anchored", "paper_moe"])
+def test_a_chat_with_an_image_in_its_first_turn_answers_as_no_cache(servers, name):
+    """Through the OpenAI-compatible endpoint, the image as a data URI: turn two hits turn one (image, answer and
+    all) and answers as the same server does with the cache flushed. Anchored, the replay starts at turn one's end
+    state; in the paper's mode it covers the image."""
+    server = servers[name]
+    flush_cache(server.base_url)
+    turn1 = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image(3))}},
+                                          {"type": "text", "text": QUESTION}]}]
+    answer = chat(server, turn1)["choices"][0]["message"]["content"]
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}]
+    hit = chat(server, turn2)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > IMAGE_TOKENS + 8
+    flush_cache(server.base_url)
+    ref = chat(server, turn2)
+    assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hit["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert np.abs(chat_logprobs(hit) - chat_logprobs(ref)).mean() < TOL
+
+
+def test_input_embeds_requests_are_refused_and_the_server_keeps_serving(servers):
+    """A request with its own `input_embeds` carries placeholder ids (SGLang makes them all 1), so its tokens must
+    never be matched or inserted: SGLang refuses such requests unless the radix cache is off, which Tail-Replay
+    refuses at start-up. The refusal is an HTTP error and the server serves on."""
+    server = servers["anchored"]
+    r = requests.post(f"{server.base_url}/generate", timeout=60, json={
+        "input_embeds": [[0.0] * 64] * 4, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "disable-radix-cache" in r.text
+    assert len(generate(server, prompt(QUESTION), [], max_new=2)["output_ids"]) == 2
