@@ -17,11 +17,11 @@ def document(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def stream_generate(base_url: str, input_ids: list[int] | str, max_new_tokens: int) -> dict:
+def stream_generate(base_url: str, input_ids: list[int] | str, max_new_tokens: int, **extra) -> dict:
     """Greedy /generate with streaming: returns output ids, meta_info and time to first token. A str is sent as
-    `text` (what sglang-router's cache-aware policy matches on)."""
+    `text` (what sglang-router's cache-aware policy matches on); `extra` goes into the body (`image_data`)."""
     prompt = {"text": input_ids} if isinstance(input_ids, str) else {"input_ids": input_ids}
-    body = {**prompt, "stream": True,
+    body = {**prompt, **extra, "stream": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
     start, ttft, last = time.perf_counter(), None, None
     with requests.post(f"{base_url}/generate", json=body, stream=True, timeout=600) as r:

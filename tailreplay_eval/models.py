@@ -179,6 +179,13 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+# Benchmark-size vision-language checkpoint: "small" under a 4-block vision tower with Qwen3.5's 16-pixel patches
+# (a 512 x 384 screenshot is 192 tokens); Qwen3.5's quarter-head rotation gives 16 pairs for the multimodal RoPE.
+PRESETS["small-qwen35-vl"] = replace(
+    PRESETS["small"], model_type="qwen3_5", mrope_section=(6, 5, 5),
+    vision=Vision(depth=4, hidden_size=128, num_heads=4, intermediate_size=256, patch_size=16,
+                  num_position_embeddings=576, min_pixels=64 * 64, max_pixels=1024 * 1024))
+
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
 

@@ -410,3 +410,28 @@ def test_memory_all_table_and_json(tmp_path):
     assert (real["Qwen3.5-4B"]["fa_layers"], real["Qwen3.5-4B"]["gdn_layers"]) == (8, 24)
     assert (real["Qwen3.6-27B"]["fa_layers"], real["Qwen3.6-27B"]["gdn_layers"]) == (16, 48)
     assert real["Qwen3.6-27B"]["hidden_dtype"] == "bfloat16"  # --dtype auto on a bfloat16 checkpoint
+
+
+def test_image_chat_shapes_and_summary():
+    """The fork shares one image and document across its requests (the chat gives each client its own), and the
+    summary counts only the requests that could hit, against the other server's answers."""
+    from types import SimpleNamespace
+
+    image_chat = load_bench("image_chat")
+    args = SimpleNamespace(seed=0, width=32, height=32, doc_words=5, clients=2, forks=3)
+    fork = image_chat.conversations(args, "screenshot fork")
+    chat = image_chat.conversations(args, "multi-turn chat")
+    assert len({image for image, _ in fork}) == 1 and len({text for _, text in fork}) == 3
+    assert len({image for image, _ in chat}) == 2
+
+    def turn(cached, first, exact, ids):
+        return dict(prompt_tokens=100, cached=cached, ttft_s=0.1 if cached else 1.0, first=first, exact=exact,
+                    output_ids=ids)
+
+    turns = {"Tail-Replay": [turn(0, True, True, [1]), turn(90, False, True, [2]), turn(80, False, False, [3])],
+             "stock": [turn(0, True, None, [1]), turn(0, False, None, [2]), turn(0, False, None, [4])]}
+    summary = image_chat.summarise(turns)
+    assert summary["Tail-Replay"]["cached_share"] == 0.85 and summary["Tail-Replay"]["exact_share"] == 0.5
+    assert summary["stock"]["cached_share"] == 0 and summary["stock"]["exact_share"] is None
+    assert summary["stock"]["cold_ttft_p50_s"] == 1.0 and summary["Tail-Replay"]["ttft_p50_s"] == 0.1
+    assert summary["Tail-Replay"]["same_answers_as_other"] == 2
