@@ -107,7 +107,13 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     if state_only:
         return None
     x = x + output(core)
-    return x + _tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), getattr(layer.mlp, "down_proj", None))
+    return x + _tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), _reduction_owner(layer.mlp))
+
+
+def _reduction_owner(mlp):
+    """The module whose `reduce_results` says whether the feed-forward output still lacks its TP sum: a MoE block
+    (Qwen3.5-MoE, Qwen3-Next) carries the flag itself, a dense MLP on its down projection."""
+    return mlp if hasattr(mlp, "reduce_results") else getattr(mlp, "down_proj", None)
 
 
 def gdn_inputs(la, h: torch.Tensor):
@@ -129,8 +135,8 @@ def gdn_inputs(la, h: torch.Tensor):
 
 
 def _tp_reduced(partial: torch.Tensor, linear) -> torch.Tensor:
-    """Qwen's output projection and MLP are row-parallel with reduce_results=False: in the model's forward its layer
-    communicator all-reduces their outputs across TP ranks. The replay calls them directly, so it reduces them itself;
+    """Qwen's output projection, MLP and MoE block are built with reduce_results=False: in the model's forward its
+    layer communicator all-reduces their outputs across TP ranks. The replay calls them directly, so it reduces them itself;
     every rank replays the same batch at the same point (TP schedulers run in lockstep), so the collectives pair up.
     A no-op at TP 1 and for layers that reduce inside (OLMo-Hybrid's)."""
     if linear is None or getattr(linear, "reduce_results", True):

@@ -61,6 +61,12 @@ def hf_qwen35(tiny_qwen35, tok_qwen35):
 
 
 @pytest.fixture(scope="session")
+def hf_qwen35_moe(tiny_qwen35_moe):
+    """(HF transformers model in eval mode, tokenizer) of tiny-qwen35-moe."""
+    return load_hf_model(tiny_qwen35_moe), AutoTokenizer.from_pretrained(tiny_qwen35_moe)
+
+
+@pytest.fixture(scope="session")
 def hf_olmo_hybrid(tiny_olmo_hybrid):
     """(HF transformers model in eval mode, tokenizer) of tiny-olmo-hybrid."""
     return load_hf_model(tiny_olmo_hybrid), AutoTokenizer.from_pretrained(tiny_olmo_hybrid)

@@ -34,12 +34,16 @@ def servers(tiny_qwen35, tmp_path_factory):
     - anchored: the defaults with interval anchors every INTERVAL tokens;
     - paper: B = 0, no anchor kept or used, the paper's zero-init tail; same model and prefill chunking;
     - small_pool: a mamba pool of 12 slots, so anchors compete with running requests and SGLang's mamba LRU evicts
-      them."""
+      them;
+    - three_slots: the defaults on 3 mamba slots for 2 running requests with 1024-token chunks."""
     yield from start_servers(tmp_path_factory, {
         "anchored": Spec(tiny_qwen35, FLAGS),
         "paper": Spec(tiny_qwen35, (*FLAGS, "--tail-replay-exact-budget", "0")),
         "small_pool": Spec(tiny_qwen35, (*[f for f in FLAGS if f != "--enable-metrics"], "--max-mamba-cache-size",
                                          "12"), kwargs={"max_running_requests": 4}),
+        "three_slots": Spec(tiny_qwen35, ("--enable-tail-replay", "--enable-cache-report", "--max-mamba-cache-size",
+                                          "3", "--chunked-prefill-size", "1024"),
+                            kwargs={"max_running_requests": 2, "max_total_tokens": 12288, "context_length": 8192}),
     })
 
 
@@ -210,4 +214,19 @@ def test_evicted_anchors_fall_back_to_the_zero_init_tail_without_error_or_leak(s
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # hits and misses racing for slots and KV
         outs = list(pool.map(lambda i: generate(srv, prompts[i % 5][:500] + random_ids(300, seed=i), 3), range(8)))
     assert all(len(o["output_ids"]) == 3 for o in outs)
+    assert pool_leaks(wait_idle(srv.base_url)) == []
+
+
+def test_anchors_never_take_the_slots_running_requests_need(servers):
+    """Two 5000-token prompts at once on 3 mamba slots, in 1024-token chunks: after each chunk SGLang copies a
+    request's state into a new slot (its chunk-end checkpoint) and asserts it gets one. Interval anchors planned
+    before the forward used to take that slot and the scheduler died ("Can not alloc mamba cache"; stock and
+    `--tail-replay-anchor-interval 0` served); anchors now give way. Both answer, a hit follows, nothing leaks."""
+    srv = servers["three_slots"]
+    prompts = [random_ids(5000, seed=300 + i) for i in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda ids: generate(srv, ids, 2), prompts))
+    assert all(len(o["output_ids"]) == 2 for o in outs)
+    hit = generate(srv, prompts[0][:4000] + [5, 6], 2)["meta_info"]
+    assert hit["cached_tokens"] == 4000
     assert pool_leaks(wait_idle(srv.base_url)) == []

@@ -43,6 +43,14 @@ def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]
     return cuts
 
 
+def spare_slots(reqs, pool, tree_cache) -> int:
+    """Mamba slots anchors may take in this forward: free plus evictable, less one per request of the batch. After
+    the forward SGLang copies each unfinished (chunked) request's state into a new slot (its chunk-end checkpoint)
+    and asserts that it gets one; anchors planned before it must leave that slot, or the scheduler dies (measured:
+    a 3-slot pool, two 5000-token prompts, 1024-token chunks)."""
+    return pool.mamba_allocator.available_size() + tree_cache.mamba_evictable_size() - len(reqs)
+
+
 class IntervalAnchors:
     def __init__(self, interval: int):
         self.interval = interval
@@ -51,15 +59,19 @@ class IntervalAnchors:
 
     def plan(self, reqs, pool, tree_cache, is_exact, replayed_hits) -> None:
         """Before a prefill forward (scheduler side): slots for the anchors of every exact request, and where the ops
-        write them. Slots come from the pool, evicting the least recently used anchors if it is short; anchors that
-        still find no slot are skipped. `replayed_hits`: requests whose extend starts from a replayed state."""
+        write them. Slots come from the pool, evicting the least recently used anchors if it is short, but never
+        the ones this batch still needs (`spare_slots`): anchors that find no slot are skipped.
+        `replayed_hits`: requests whose extend starts from a replayed state."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         by_slot, wanted = {}, []
         for req in reqs:
             self.drop(pool, req)  # taken in an earlier forward but never inserted (the request was not cached)
+        budget = spare_slots(reqs, pool, tree_cache)
+        for req in reqs:
             if is_exact(req) and req.kv.holds_mamba:
-                cuts = offsets(req.extend_len, self.interval, at_start=req in replayed_hits)
+                cuts = offsets(req.extend_len, self.interval, at_start=req in replayed_hits)[:max(budget, 0)]
+                budget -= len(cuts)
                 if cuts:
                     wanted.append((req, cuts))
         short = sum(len(cuts) for _, cuts in wanted) - pool.mamba_allocator.available_size()
