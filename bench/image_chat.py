@@ -79,13 +79,13 @@ def conversations(args, shape: str) -> list[tuple[str, str]]:
     return [(shared[0], shared[1] + " " + QUESTIONS[c % len(QUESTIONS)]) for c in range(args.forks)]
 
 
-SHAPES = {"multi-turn chat": "rounds", "screenshot fork": 1}
+SHAPES = ("multi-turn chat", "screenshot fork")
 
 
 def run_shape(args, shape: str, urls: dict[str, str], tok, console) -> dict[str, list[dict]]:
     labels = list(urls)
     convs = conversations(args, shape)
-    rounds = args.rounds if SHAPES[shape] == "rounds" else SHAPES[shape]
+    rounds = args.rounds if shape == "multi-turn chat" else 1  # a fork is one request per client
     chats = {label: [Chat(image, text) for image, text in convs] for label in labels}
     turns = {label: [] for label in labels}
     for label in labels:
@@ -174,7 +174,8 @@ def main(argv=None):
              f"({args.server_args})")
     print_table(summary, title, console)
     console.print(harness.TTFT_METHOD.replace("(input_ids, greedy)", "(text + image_data, greedy)"))
-    result = {"command": "python bench/image_chat.py " + " ".join(sys.argv[1:] if argv is None else argv), "model": str(run.model_path),
+    command = "python bench/image_chat.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"command": command, "model": str(run.model_path),
               "server_args": args.server_args, "configs": configs, "args": vars(args), "summary": summary,
               "turns": turns, "machine_before": run.machine_before, "machine_after": harness.machine(),
               "wall_s": run.elapsed(), "date": time.strftime("%Y-%m-%d")}

@@ -310,9 +310,10 @@ def vision_language_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedCo
     return config
 
 
-def save_processor(preset: Preset, out_dir: Path) -> None:
-    """The processor Qwen3.5 checkpoints ship (Qwen3VLProcessor: image and video processors over the tokenizer)."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+def save_processor(preset: Preset, tokenizer: Tokenizer, out_dir: Path) -> None:
+    """The processor Qwen3.5 checkpoints ship (Qwen3VLProcessor: image and video processors over the tokenizer).
+    It writes tokenizer files of its own: `save_tokenizer` runs after it."""
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     vision = preset.vision
     patching = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
@@ -320,7 +321,7 @@ def save_processor(preset: Preset, out_dir: Path) -> None:
                     size={"shortest_edge": vision.min_pixels, "longest_edge": vision.max_pixels},
                     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**patching),
-                                 tokenizer=AutoTokenizer.from_pretrained(out_dir),
+                                 tokenizer=PreTrainedTokenizerFast(tokenizer_object=tokenizer),
                                  video_processor=Qwen3VLVideoProcessor(**patching), chat_template=VL_CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
 
@@ -424,11 +425,10 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
-    template = CHAT_TEMPLATE if preset.vision is None else VL_CHAT_TEMPLATE
-    save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)
     if preset.vision is not None:
-        save_processor(preset, staging)
-        save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # ours over the processor's
+        save_processor(preset, tokenizer, staging)
+    template = CHAT_TEMPLATE if preset.vision is None else VL_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # after (over) the processor's
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors

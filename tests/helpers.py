@@ -14,7 +14,7 @@ import requests
 import torch
 
 from tailreplay_eval.reference import greedy_generate
-from tailreplay_eval.server import ServerProcess, _group_alive
+from tailreplay_eval.server import ServerProcess, _group_alive, flush_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("TAILREPLAY_MODELS_DIR", ROOT / "models"))
@@ -102,9 +102,11 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
 
 
 def generate_response(server, input_ids, max_new_tokens, **extra) -> requests.Response:
-    """Greedy /generate of exactly max_new_tokens tokens; returns the HTTP response as it came (errors included)."""
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
-                                                         "ignore_eos": True}, **extra}
+    """Greedy /generate of exactly max_new_tokens tokens; returns the HTTP response as it came (errors included).
+    A str prompt is sent as `text`."""
+    prompt = {"text": input_ids} if isinstance(input_ids, str) else {"input_ids": input_ids}
+    body = {**prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+            **extra}
     return requests.post(f"{server.base_url}/generate", json=body, timeout=120)
 
 
@@ -113,6 +115,24 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
     r = generate_response(server, input_ids, max_new_tokens, **extra)
     r.raise_for_status()
     return r.json()
+
+
+def scored(server, prompt, start, max_new=4, **extra) -> dict:
+    """The request with log-probs of every prompt token from `start` on and of its outputs (teacher-forced, so a
+    near-tie in the greedy outputs cannot hide an error)."""
+    out = generate(server, prompt, max_new, return_logprob=True, logprob_start_len=start, **extra)
+    meta = out["meta_info"]
+    lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
+    lps += [lp for lp, _, _ in meta["output_token_logprobs"]]
+    return {"meta": meta, "output_ids": out["output_ids"], "logprobs": lps}
+
+
+def no_cache(server, prompt, start, max_new=4, **extra) -> dict:
+    """`scored` with the server's cache flushed first: the reference a hit must equal."""
+    flush_cache(server.base_url)
+    out = scored(server, prompt, start, max_new, **extra)
+    assert out["meta"]["cached_tokens"] == 0
+    return out
 
 
 def run_forked_program(backend, system: str, question: str) -> list[dict]:

@@ -15,7 +15,7 @@ import random
 import pytest
 import requests
 
-from helpers import Spec, generate, start_servers
+from helpers import Spec, generate, no_cache, scored, start_servers
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.server import flush_cache
 
@@ -65,22 +65,6 @@ def small_pool_server(servers):
 def random_ids(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def scored(server, ids, start, max_new=4) -> dict:
-    """The request with log-probs of every prompt token from `start` on and of its outputs."""
-    out = generate(server, ids, max_new, return_logprob=True, logprob_start_len=start)
-    meta = out["meta_info"]
-    lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
-    lps += [lp for lp, _, _ in meta["output_token_logprobs"]]
-    return {"meta": meta, "output_ids": out["output_ids"], "logprobs": lps}
-
-
-def no_cache(server, ids, start, max_new=4) -> dict:
-    flush_cache(server.base_url)
-    out = scored(server, ids, start, max_new)
-    assert out["meta"]["cached_tokens"] == 0
-    return out
 
 
 def max_error(a: dict, b: dict) -> float:

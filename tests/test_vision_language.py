@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from helpers import EXACT_FLAGS, Spec, start_servers
+from helpers import EXACT_FLAGS, Spec, generate, no_cache, scored, start_servers
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import flush_cache
 
@@ -68,36 +68,14 @@ def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
     })
 
 
-def generate(server, text: str, images: list, max_new: int = NEW, start: int | None = None) -> dict:
-    """Greedy /generate; with `start`, the log-probs of the prompt tokens from `start` on (-1: none) and outputs."""
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-    if images:
-        body["image_data"] = [data_uri(i) for i in images]
-    if start is not None:
-        body.update(return_logprob=True, logprob_start_len=start)
-    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
-    r.raise_for_status()
-    return r.json()
-
-
-def scored(server, text, images, start) -> dict:
-    out = generate(server, text, images, start=start)
-    meta = out["meta_info"]
-    lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
-    lps += [lp for lp, _, _ in meta["output_token_logprobs"]]
-    return {"meta": meta, "output_ids": out["output_ids"], "logprobs": np.array(lps)}
-
-
-def no_cache(server, text, images, start) -> dict:
-    flush_cache(server.base_url)
-    out = scored(server, text, images, start)
-    assert out["meta"]["cached_tokens"] == 0
-    return out
+def with_images(*images) -> dict:
+    """The /generate keywords that attach `images` (PIL) as data URIs, as a client sends them."""
+    return {"image_data": [data_uri(i) for i in images]} if images else {}
 
 
 def assert_as_no_cache(hit: dict, ref: dict) -> None:
     assert len(hit["logprobs"]) == len(ref["logprobs"])
-    assert np.abs(hit["logprobs"] - ref["logprobs"]).mean() < TOL
+    assert np.abs(np.array(hit["logprobs"]) - np.array(ref["logprobs"])).mean() < TOL
     assert hit["output_ids"][0] == ref["output_ids"][0]
 
 
@@ -124,28 +102,28 @@ def hf_greedy(hf, text, images, max_new=NEW) -> tuple[list[int], list[float]]:
     return tokens, logits.log_softmax(-1).gather(-1, out[0, n:, None])[:, 0].tolist()
 
 
-@pytest.mark.parametrize("images", [0, 1, 2], ids=["text", "one-image", "two-images"])
-def test_stock_serves_text_and_images_as_hf_does(servers, hf_vl, images):
-    content = "".join(VISION + f" picture {i}." for i in range(images)) + " What do these show?"
-    imgs = [image(i) for i in range(images)]
-    tokens, lps = hf_greedy(hf_vl, prompt(content), imgs)
-    out = generate(servers["stock"], prompt(content), imgs, start=-1)
+def assert_serves_as_hf(server, hf, text, images) -> dict:
+    """The server's greedy tokens are HF's, their log-probs within HF_TOL of HF's teacher-forced ones."""
+    tokens, lps = hf_greedy(hf, text, images)
+    out = generate(server, text, NEW, return_logprob=True, logprob_start_len=-1, **with_images(*images))
     assert out["output_ids"] == tokens
     served = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     assert np.abs(np.array(served) - np.array(lps)).max() < HF_TOL
+    return out
+
+
+@pytest.mark.parametrize("images", [0, 1, 2], ids=["text", "one-image", "two-images"])
+def test_stock_serves_text_and_images_as_hf_does(servers, hf_vl, images):
+    content = "".join(VISION + f" picture {i}." for i in range(images)) + " What do these show?"
+    out = assert_serves_as_hf(servers["stock"], hf_vl, prompt(content), [image(i) for i in range(images)])
     assert out["meta_info"].get("image_tokens", 0) == images * IMAGE_TOKENS
 
 
 def test_the_moe_checkpoint_serves_an_image_as_hf_does(servers, tiny_qwen35_moe_vl):
     """Qwen3_5MoeForConditionalGeneration: a request with no hit (cache flushed) is the model's plain forward."""
     hf = load_hf_model(tiny_qwen35_moe_vl), AutoProcessor.from_pretrained(tiny_qwen35_moe_vl)
-    text = prompt(VISION + QUESTION)
-    tokens, lps = hf_greedy(hf, text, [image(4)])
     flush_cache(servers["paper_moe"].base_url)
-    out = generate(servers["paper_moe"], text, [image(4)], start=-1)
-    assert out["output_ids"] == tokens
-    served = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    assert np.abs(np.array(served) - np.array(lps)).max() < HF_TOL
+    assert_serves_as_hf(servers["paper_moe"], hf, prompt(VISION + QUESTION), [image(4)])
 
 
 # ---- Tail-Replay: every hit that covers an image answers as no cache does ----
@@ -161,11 +139,11 @@ def test_a_hit_through_an_image_equals_no_cache(servers, name):
     its replay starts at a chunk-end anchor inside the image."""
     server = servers[name]
     first, second = prompt(VISION + QUESTION), prompt(VISION + QUESTION + FOLLOW_UP)
-    start = generate(server, first, [image(0)], max_new=1)["meta_info"]["prompt_tokens"] - 4
-    ref = no_cache(server, second, [image(0)], start)
+    start = generate(server, first, 1, **with_images(image(0)))["meta_info"]["prompt_tokens"] - 4
+    ref = no_cache(server, second, start, NEW, **with_images(image(0)))
     flush_cache(server.base_url)  # else the first request hits the reference and leaves an anchor at its match end
-    generate(server, first, [image(0)], max_new=1)
-    hit = scored(server, second, [image(0)], start)
+    generate(server, first, 1, **with_images(image(0)))
+    hit = scored(server, second, start, NEW, **with_images(image(0)))
     meta = hit["meta"]
     assert meta["cached_tokens"] > IMAGE_TOKENS + 2 and meta["tail_replay_exact"] is True
     if name == "anchored":
@@ -180,10 +158,10 @@ def test_different_images_with_the_same_text_never_share_past_the_image(servers)
     server = servers["anchored"]
     flush_cache(server.base_url)
     text = prompt(VISION + QUESTION)
-    generate(server, text, [image(0)], max_new=1)
-    other = scored(server, text, [image(1)], start=0)
+    generate(server, text, 1, **with_images(image(0)))
+    other = scored(server, text, 0, NEW, **with_images(image(1)))
     assert other["meta"]["cached_tokens"] <= IMAGE_START  # the text before the image at most
-    ref = no_cache(server, text, [image(1)], start=0)
+    ref = no_cache(server, text, 0, NEW, **with_images(image(1)))
     assert_as_no_cache(other, ref)
 
 
@@ -194,11 +172,11 @@ def test_an_image_later_in_the_prompt_is_replayed_exactly(servers):
     lead = " A long shared instruction that comes before the picture arrives." * 2
     first = prompt(lead + VISION + QUESTION)
     second = prompt(lead + VISION + QUESTION + FOLLOW_UP)
-    start = generate(server, first, [image(2)], max_new=1)["meta_info"]["prompt_tokens"] - 4
-    ref = no_cache(server, second, [image(2)], start)
+    start = generate(server, first, 1, **with_images(image(2)))["meta_info"]["prompt_tokens"] - 4
+    ref = no_cache(server, second, start, NEW, **with_images(image(2)))
     flush_cache(server.base_url)
-    generate(server, first, [image(2)], max_new=1)
-    hit = scored(server, second, [image(2)], start)
+    generate(server, first, 1, **with_images(image(2)))
+    hit = scored(server, second, start, NEW, **with_images(image(2)))
     assert hit["meta"]["cached_tokens"] > IMAGE_TOKENS + 30 and hit["meta"]["tail_replay_exact"] is True
     assert_as_no_cache(hit, ref)
 
@@ -243,4 +221,4 @@ def test_input_embeds_requests_are_refused_and_the_server_keeps_serving(servers)
     r = requests.post(f"{server.base_url}/generate", timeout=60, json={
         "input_embeds": [[0.0] * 64] * 4, "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400 and "disable-radix-cache" in r.text
-    assert len(generate(server, prompt(QUESTION), [], max_new=2)["output_ids"]) == 2
+    assert len(generate(server, prompt(QUESTION), 2)["output_ids"]) == 2
