@@ -30,6 +30,10 @@ CPU_FLAGS = (
     # new request wakes it at once. On two cores an idle test or benchmark server would slow down everything else.
     "--sleep-on-idle",
 )
+# What every server here runs unless it asks for SGLang's GPU default (`ServerProcess(gpu_scheduling=True)`: no
+# strategy flag, so SGLang resolves `auto` to extra_buffer with the overlap scheduler, as on a GPU; docs/cpu.md).
+NO_BUFFER_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule")
+BASE_FLAGS = tuple(f for f in CPU_FLAGS if f not in NO_BUFFER_FLAGS)
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
@@ -91,6 +95,7 @@ class ServerProcess:
     context_length: int | None = None
     max_running_requests: int = 8
     env: dict[str, str] = field(default_factory=dict)
+    gpu_scheduling: bool = False  # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer
     proc: subprocess.Popen | None = None
 
     @property
@@ -99,7 +104,8 @@ class ServerProcess:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
-               "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               *(BASE_FLAGS if self.gpu_scheduling else CPU_FLAGS),
                "--max-total-tokens", str(self.max_total_tokens),
                "--max-running-requests", str(self.max_running_requests)]
         if self.context_length:

@@ -136,3 +136,11 @@ def cpu_engine_requested() -> bool:
 
 def cpu_fallback_disabled() -> bool:
     return os.environ.get(DISABLE_CPU_FALLBACK_ENV) == "1"
+
+
+MAMBA_CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's conv-state dtype (default bfloat16), read at pool build
+
+
+def default_mamba_conv_dtype(dtype_name: str) -> None:
+    """Make `dtype_name` SGLang's conv-state dtype unless the user chose one (cpu/extra_buffer.py says why)."""
+    os.environ.setdefault(MAMBA_CONV_DTYPE_ENV, dtype_name)

@@ -48,6 +48,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier)
+    runtime.forward_stream = getattr(runner, "forward_stream", None)
     capture.install(runner.model.model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner, layout)
     from sglang.srt.runtime_context import get_observability

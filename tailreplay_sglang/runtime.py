@@ -11,6 +11,7 @@ What it holds, and who fills it:
 - `interval_anchors`: the anchor planner, whose plan the CPU prefill ops read through their hooks (None where the
   ops cannot take mid-sequence states);
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
+- `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
 - `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
 """
@@ -33,6 +34,7 @@ class TailReplayRuntime:
     pending: PendingReplays = field(default_factory=PendingReplays)
     interval_anchors: IntervalAnchors | None = None
     store: "HiddenStore | None" = None
+    forward_stream: object = None
     metrics: "ReplayMetrics | None" = None
     evicted_anchors: int = 0  # recurrent states the tree's mamba LRU has dropped since start-up
     evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up

@@ -31,11 +31,11 @@ SUPPORTED = {
     "enable_streaming_session": ((False,), "--enable-streaming-session", "sessions hold slots outside the match"),
     "enable_session_radix_cache": ((False,), "--enable-session-radix-cache", "sessions hold slots outside the match"),
     "moe_a2a_backend": (("none",), "--moe-a2a-backend", "the replay completes MoE sums with TP all-reduces only"),
-    "mamba_radix_cache_strategy": (("no_buffer",), "--mamba-radix-cache-strategy no_buffer",
-                                   "extra_buffer's state tracking is not supported yet"),
-    "disable_overlap_schedule": ((True,), "--disable-overlap-schedule",
-                                 "the overlap scheduler is not supported yet (anchor copies run at match time)"),
-    "page_size": ((1, None), "--page-size 1", "paged KV is not supported yet"),  # None: SGLang's default, 1
+    # auto resolves to one of the two (extra_buffer wherever the overlap scheduler or paging is on)
+    "mamba_radix_cache_strategy": (("auto", "no_buffer", "extra_buffer"), "--mamba-radix-cache-strategy",
+                                   "extra_buffer_lazy allocates track slots at chunk boundaries (not tested)"),
+    "page_size": ((1, None), "--page-size 1",  # None: SGLang's default, 1
+                  "paged KV is not supported yet (hits are matched to the page)"),
     "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
     "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
     "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),

@@ -6,6 +6,7 @@ tests/ on the import path, as it does for conftest.py)."""
 import concurrent.futures
 import importlib.util
 import os
+import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,28 @@ def no_cache(server, prompt, start, max_new=4, **extra) -> dict:
     out = scored(server, prompt, start, max_new, **extra)
     assert out["meta"]["cached_tokens"] == 0
     return out
+
+
+TINY_VOCAB = 512  # tiny-qwen35
+# nats per token: stock's own exact-hit noise on long-memory random float32 models (test_anchored_replay.py says how)
+EXACT_TOL = 0.02
+
+
+def random_ids(n, seed, vocab=TINY_VOCAB):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def max_error(a: dict, b: dict) -> float:
+    """Largest log-prob difference between two `scored` results of the same prompt."""
+    assert len(a["logprobs"]) == len(b["logprobs"]) > 0
+    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
+
+
+def assert_exact(hit: dict, reference: dict) -> None:
+    """A hit equals the reference (`no_cache`): the same first token, every log-prob within EXACT_TOL."""
+    assert hit["output_ids"][:1] == reference["output_ids"][:1]
+    assert max_error(hit, reference) < EXACT_TOL
 
 
 def run_forked_program(backend, system: str, question: str) -> list[dict]:

@@ -15,15 +15,15 @@ import random
 import pytest
 import requests
 
-from helpers import Spec, generate, no_cache, scored, start_servers
+from helpers import (EXACT_TOL, TINY_VOCAB, Spec, assert_exact, generate, max_error, no_cache, random_ids, scored,
+                     start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
 INTERVAL = 128
-VOCAB = 512  # tiny-qwen35
-EXACT_TOL = 0.02  # nats per token: stock's own cache-hit noise on such models, see the module docstring
+VOCAB = TINY_VOCAB
 FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL), "--enable-metrics",
          "--enable-cache-report", "--dtype", "float32")
 
@@ -60,21 +60,6 @@ def paper_server(servers):
 @pytest.fixture(scope="module")
 def small_pool_server(servers):
     return servers["small_pool"]
-
-
-def random_ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def max_error(a: dict, b: dict) -> float:
-    assert len(a["logprobs"]) == len(b["logprobs"]) > 0
-    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
-
-
-def assert_exact(hit: dict, reference: dict) -> None:
-    assert hit["output_ids"][:1] == reference["output_ids"][:1]
-    assert max_error(hit, reference) < EXACT_TOL
 
 
 @pytest.mark.parametrize("resend_extra", [0, 12])

@@ -322,6 +322,48 @@ def test_chunk_gated_delta_rule_checkpoints_hold_the_state_after_each_offset():
     assert torch.equal(pool[untouched], pool_before[untouched])
 
 
+# ---- per-chunk states (h): what SGLang's extra_buffer strategy tracks prefill states from ----
+
+@pytest.mark.parametrize("cut_offsets", [[], [0, 100, 128]], ids=["plain", "with-checkpoints"])
+def test_chunk_states_are_the_states_entering_each_64_token_chunk(cut_offsets):
+    """h[offset_i + j] (offset_i = chunks of the sequences before i) is the state of sequence i after 64 j of its
+    tokens, as fla's chunk kernel returns it; checkpoints cutting the scan elsewhere (100) leave h on the 64 grid."""
+    lengths = [200, 64, 1, 130]
+    q, k, v, g, beta, pool, idx, cu = _gdn_inputs(lengths, 2, 4, 16, 16, slots=16)
+    spare = [i for i in range(16) if i not in idx.tolist()]
+    checkpoints = {int(idx[0]): list(zip(cut_offsets, spare))} if cut_offsets else None
+    pool_before, plain = pool.clone(), pool.clone()
+    o_plain, final_plain = gdn.chunk_gated_delta_rule(q, k, v, g, beta, plain, cu, idx, use_qk_l2norm_in_kernel=True)
+    o, final, h = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True,
+                                             checkpoints=checkpoints, chunk_states=True)
+    assert h.shape == (1, sum(-(-n // 64) for n in lengths), 4, 16, 16)
+    assert rel_err(o, o_plain) < TOL and rel_err(final, final_plain) < TOL
+    row = 0
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for start in range(0, e - s, 64):
+            ref = pool_before[idx[i]].double() if start == 0 else \
+                _reference(q, k, v, g, beta, pool_before[idx[i]], s, s + start)[1]
+            assert rel_err(h[0, row], ref) < TOL, (i, start)
+            row += 1
+
+
+def test_track_copy_moves_tracked_rows_states_into_their_track_slots():
+    """The torch body of SGLang's Triton track kernel: rows with the mask set copy conv and SSM states from their
+    live slot to their track slot, in every layer; other slots are untouched."""
+    from tailreplay_sglang.cpu import extra_buffer
+
+    conv_pool, ssm_pool = torch.randn(3, 10, 6, 3), torch.randn(3, 10, 2, 4, 4)
+    conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
+    live, track, mask = torch.tensor([1, 4, 7]), torch.tensor([2, 5, 8]), torch.tensor([True, False, True])
+    extra_buffer.track_states_all_layers(conv_pool, ssm_pool, live, mask, track, 3)
+    conv_ref, ssm_ref = conv_before.clone(), ssm_before.clone()
+    conv_ref[:, [2, 8]], ssm_ref[:, [2, 8]] = conv_before[:, [1, 7]], ssm_before[:, [1, 7]]
+    assert torch.equal(conv_pool, conv_ref) and torch.equal(ssm_pool, ssm_ref)
+    one_conv, one_ssm = conv_before[0].clone(), ssm_before[0].clone()
+    extra_buffer.track_states(one_conv, one_ssm, live, mask, track, 3)
+    assert torch.equal(one_conv, conv_ref[0]) and torch.equal(one_ssm, ssm_ref[0])
+
+
 def test_causal_conv1d_fwd_checkpoints_hold_the_inputs_before_each_offset():
     dim, width, slots = 12, 4, 8
     x = torch.randn(dim, 50)

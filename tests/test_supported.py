@@ -8,6 +8,9 @@ from tailreplay_sglang.supported import (SGLANG_VERSION, SUPPORTED, UnsupportedC
 
 # What the CPU route runs (tailreplay_eval/server.py: CPU_FLAGS), as SGLang resolves it: the tested configuration
 TESTED = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True, "page_size": 1}
+# SGLang's GPU default, also tested (tests/test_production_path.py): extra_buffer with the overlap scheduler ("auto" is
+# what the scheduler's ServerArgs still says; SGLang resolves it to extra_buffer there)
+GPU_DEFAULT = [{"mamba_radix_cache_strategy": s, "disable_overlap_schedule": False} for s in ("auto", "extra_buffer")]
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +25,15 @@ def test_the_tested_configuration_passes(server_args):
     check_resolved(server_args)
 
 
+@pytest.mark.parametrize("scheduling", GPU_DEFAULT, ids=lambda s: s["mamba_radix_cache_strategy"])
+def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
+    from types import SimpleNamespace
+
+    assert unsupported(SimpleNamespace(**{**{f: getattr(server_args, f) for f in SUPPORTED}, **scheduling})) == []
+
+
 @pytest.mark.parametrize("field, value", [
-    ("mamba_radix_cache_strategy", "extra_buffer"), ("disable_overlap_schedule", False), ("page_size", 16),
+    ("mamba_radix_cache_strategy", "extra_buffer_lazy"), ("page_size", 16),
     ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "decode"), ("enable_lora", True),
     ("lora_paths", ["adapter"]), ("speculative_algorithm", "EAGLE"), ("enable_int8_mamba_checkpoint", True),
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),

@@ -91,24 +91,13 @@ class IntervalAnchors:
     def commit(self, cache, req) -> None:
         """After SGLang inserted [0, cache_protected_len) of the request: insert each anchor within it at its depth;
         free the ones the tree does not take."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
         anchors = getattr(req, ATTR, None)
         if not anchors:
             return
         setattr(req, ATTR, None)
         inserted = req.kv.cache_protected_len if req.kv.req_pool_idx is not None else 0
         for depth, slot in anchors:
-            if depth > inserted:
-                cache.req_to_token_pool.mamba_allocator.free(slot)
-                continue
-            key = RadixKey(req.full_untruncated_fill_ids[:depth], req.extra_key, is_bigram=False,
-                           cache_salt=req.cache_salt)
-            value = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64, copy=True)
-            result = cache.insert(InsertParams(key=key, value=value, mamba_value=slot, prev_prefix_len=depth,
-                                               inserted_len=depth, priority=req.priority or 0))
-            if result.mamba_exist:  # a state was already kept at this depth
+            if depth > inserted or not insert_state_at_depth(cache, req, depth, slot):
                 cache.req_to_token_pool.mamba_allocator.free(slot)
 
     @staticmethod
@@ -119,3 +108,17 @@ class IntervalAnchors:
             setattr(req, ATTR, None)
             for _, slot in anchors:
                 pool.mamba_allocator.free(slot)
+
+
+def insert_state_at_depth(cache, req, depth: int, slot) -> bool:
+    """Insert the state in `slot` at `depth` of the request's path, whose KV is already in the tree (the request's
+    row holds the tree's indices up to `cache_protected_len`, so nothing is freed as a duplicate). False if a state
+    was already there (the caller frees the slot)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    key = RadixKey(req.full_untruncated_fill_ids[:depth], req.extra_key, is_bigram=False, cache_salt=req.cache_salt)
+    value = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64, copy=True)
+    result = cache.insert(InsertParams(key=key, value=value, mamba_value=slot, prev_prefix_len=depth,
+                                       inserted_len=depth, priority=req.priority or 0))
+    return not result.mamba_exist

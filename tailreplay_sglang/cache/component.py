@@ -13,7 +13,11 @@ evicted by SGLang's mamba LRU; evicting one keeps the node's KV, which still hit
 exact budget of 0 no node ever holds a state: the paper's pure mode.
 """
 
+import contextlib
 import functools
+from dataclasses import dataclass
+
+import torch
 
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -21,6 +25,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURe
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.layout import SUPPORTED
+from tailreplay_sglang.cache.anchors import insert_state_at_depth
 from tailreplay_sglang.cache.pending import Match
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
@@ -28,6 +33,8 @@ MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be 
 # False on a Req whose state came from a zero-init tail: it donates no anchor. The same attribute is the request's
 # `tail_replay_exact` in meta_info (visibility.py).
 EXACT_ATTR = "tail_replay_exact"
+# On InsertParams under extra_buffer: (depth, slot) of an exact request's track-point state, inserted after its KV.
+STATE_DEPTH_ATTR = "tail_replay_state_at"
 
 
 def is_exact(req) -> bool:
@@ -100,14 +107,22 @@ class TailReplayMambaComponent(MambaComponent):
         finally:
             self.cache.dec_lock_ref(anchor.id, lock.to_dec_params())
         pool = self.cache.req_to_token_pool
-        pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)), pool.translate_mamba_indices(dst))
+        with on_forward_stream(self.runtime.forward_stream):
+            pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)), pool.translate_mamba_indices(dst))
         req.kv.mamba_pool_idx = dst[0]
         req.kv.mamba_cow_src_index = None
         req.kv.mamba_needs_clear = False
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
         if self.runtime.config.anchored and is_exact(req):
-            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            if not self.cache.enable_mamba_extra_buffer or cache_len == token_ids_len:
+                return cache_len
+            # extra_buffer keeps states only at track points, and stock caps the insert there, so a short turn would
+            # insert no KV at all. Every token's KV goes in; the state becomes an anchor at its own depth (cleanup).
+            setattr(insert_params, STATE_DEPTH_ATTR, (cache_len or 0, insert_params.mamba_value))
+            insert_params.mamba_value = None
+            return token_ids_len
         insert_params.mamba_value = None  # an approximate state is never an anchor
         return token_ids_len
 
@@ -117,9 +132,23 @@ class TailReplayMambaComponent(MambaComponent):
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
         if self.runtime.config.anchored and is_exact(req):
+            insert_result = self._insert_tracked_state(req, insert_result, insert_params)
             return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)
+
+    def _insert_tracked_state(self, req, insert_result, insert_params):
+        """extra_buffer: the track-point state `prepare_for_caching_req` held back goes into the tree at its depth,
+        now that the request's KV is there. Returns the insert result SGLang's cleanup reads (`mamba_exist`: the
+        state was not taken, so the slot is freed, as stock frees a state the tree already had)."""
+        depth, value = getattr(insert_params, STATE_DEPTH_ATTR, (0, None)) if insert_params is not None else (0, None)
+        if value is None:
+            return insert_result
+        setattr(insert_params, STATE_DEPTH_ATTR, None)
+        insert_params.mamba_value = value
+        inserted = insert_result is not None and 0 < depth <= req.kv.cache_protected_len
+        taken = inserted and insert_state_at_depth(self.cache, req, depth, value)
+        return _InsertOutcome(mamba_exist=not taken)
 
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
         if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None:
@@ -144,6 +173,26 @@ class TailReplayMambaComponent(MambaComponent):
                                                        device_frees=device_frees, host_frees=host_frees,
                                                        cache_actions=cache_actions)
         return None
+
+
+@dataclass(frozen=True)
+class _InsertOutcome:
+    """What SGLang's mamba cleanup reads of an insert result."""
+
+    mamba_exist: bool
+
+
+@contextlib.contextmanager
+def on_forward_stream(stream):
+    """Run the enclosed copies on the model's forward stream (CUDA): under the overlap scheduler the next batch is
+    matched while the previous one still runs there, so a copy on the scheduler's stream could read a state that
+    batch is still writing, or be overtaken by a later write to the slot. On the forward stream it runs after every
+    batch already launched and before any launched later. Elsewhere (CPU: every op runs when it is called) a no-op."""
+    if stream is None or not isinstance(stream, torch.cuda.Stream):
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
 
 
 def create_tail_replay_cache(runtime, ctx):

@@ -56,6 +56,11 @@ def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head
                                **unused):
     if head_first:
         raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first=True is not supported")
+    from tailreplay_sglang.cpu.extra_buffer import chunk_states_wanted
+
+    if chunk_states_wanted():  # extra_buffer tracks prefill states from the per-chunk states h, as on a GPU
+        return gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
+                                          use_qk_l2norm_in_kernel, checkpoints=state_checkpoints, chunk_states=True)
     o, final_state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
                                                 use_qk_l2norm_in_kernel, checkpoints=state_checkpoints)
     return o, final_state, None  # no per-chunk states (h), like sgl-kernel's CPU op

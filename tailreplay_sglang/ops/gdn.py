@@ -40,13 +40,14 @@ def _seq_bounds(cu_seqlens, total: int) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
-def _chunk_scan(q, k, v, g, beta, state, chunk_size: int, state_only: bool = False):
+def _chunk_scan(q, k, v, g, beta, state, chunk_size: int, state_only: bool = False, entering: list | None = None):
     """One sequence. q, k: [HV, T, K]; v: [HV, T, V]; g, beta: [HV, T]; state: [HV, V, K] (float32).
 
     WY form of the delta rule inside each chunk (as in fla's chunk kernels): with gamma_i the cumulative decay
     inside the chunk, the per-token state corrections u solve (I + A) u = beta*v - beta*gamma*K S0^T, where
     A_ij = beta_i (gamma_i / gamma_j) k_i.k_j for j < i. Chunks run in sequence, everything inside one is batched.
     Returns (o [HV, T, V], final state [HV, V, K]); o is None when `state_only` (the output half is skipped).
+    `entering`, when given, receives the state entering each chunk (what fla's chunk kernel returns as `h`).
     """
     HV, T, K = k.shape
     pad = (-T) % chunk_size
@@ -73,6 +74,8 @@ def _chunk_scan(q, k, v, g, beta, state, chunk_size: int, state_only: bool = Fal
         o = torch.empty_like(v)
 
     for c in range(n):
+        if entering is not None:  # the initial state may be a view of the pool, rewritten when the scan ends
+            entering.append(state.clone() if c == 0 else state)
         u = U[c] - W[c] @ state.transpose(-1, -2)  # [HV, C, V]
         if not state_only:
             o[c] = q_decayed[c] @ state.transpose(-1, -2) + attn[c] @ u
@@ -103,6 +106,7 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta, initial_state, cu_seqlens=None, initial_state_indices=None,
     use_qk_l2norm_in_kernel: bool = False, scale: float | None = None, chunk_size: int = CHUNK_SIZE,
     state_only: bool = False, checkpoints: dict[int, list[tuple[int, int]]] | None = None,
+    chunk_states: bool = False,
 ):
     """Chunked GDN prefill over a packed varlen batch.
 
@@ -124,17 +128,21 @@ def chunk_gated_delta_rule(
     vf, gf, bf = v[0].float(), g[0].float(), beta[0].float()
 
     o = None if state_only else torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
-    finals = []
+    finals, entering = [], [] if chunk_states else None
     for i, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
         state = _read_state(initial_state, initial_state_indices, i, HV, v.shape[-1], K)
         seq = [x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf, bf)]
         cuts = _checkpoints_of(checkpoints, initial_state_indices, i)
-        o_seq, state = _scan_with_checkpoints(seq, state, chunk_size, state_only, cuts, initial_state)
+        o_seq, state = _scan_with_checkpoints(seq, state, chunk_size, state_only, cuts, initial_state, entering)
         if o is not None:
             o[start:end] = o_seq.transpose(0, 1)
         _write_state(initial_state, initial_state_indices, i, state)
         finals.append(state)
-    return (None if o is None else o.unsqueeze(0).to(v.dtype)), torch.stack(finals)
+    o = None if o is None else o.unsqueeze(0).to(v.dtype)
+    if chunk_states:
+        h = torch.stack(entering) if entering else v.new_empty(0, HV, v.shape[-1], K, dtype=torch.float32)
+        return o, torch.stack(finals), h.unsqueeze(0)
+    return o, torch.stack(finals)
 
 
 def _checkpoints_of(checkpoints, indices, i: int) -> list[tuple[int, int]]:
@@ -143,16 +151,24 @@ def _checkpoints_of(checkpoints, indices, i: int) -> list[tuple[int, int]]:
     return checkpoints.get(int(indices[i]), [])
 
 
-def _scan_with_checkpoints(seq, state, chunk_size: int, state_only: bool, cuts, pool):
-    """`_chunk_scan` of one sequence, cut at each checkpoint offset, whose state goes into the pool."""
+def _scan_with_checkpoints(seq, state, chunk_size: int, state_only: bool, cuts, pool, entering=None):
+    """`_chunk_scan` of one sequence, cut at each checkpoint offset, whose state goes into the pool; `entering`
+    (when given) receives the state at every multiple of `chunk_size` before the end."""
     if not cuts:
-        return _chunk_scan(*seq, state, chunk_size, state_only)
+        return _chunk_scan(*seq, state, chunk_size, state_only, entering)
     T, outs, pos = seq[0].shape[1], [], 0
+    if entering is not None:  # also cut at every chunk start, so the chunk grid is the sequence's own
+        grid = [(j, None) for j in range(0, T, chunk_size) if j not in {o for o, _ in cuts}]
+        cuts = sorted([*cuts, *grid], key=lambda cut: cut[0])
+    recorded = set()
     for offset, dst in [*cuts, (T, None)]:
         if offset > pos:  # an offset of 0 keeps the initial state
             o_part, state = _chunk_scan(*(x[:, pos:offset] for x in seq), state, chunk_size, state_only)
             outs.append(o_part)
         pos = offset
+        if entering is not None and offset < T and offset % chunk_size == 0 and offset not in recorded:
+            recorded.add(offset)
+            entering.append(state.clone())
         if dst is not None:
             pool[dst] = state.to(pool.dtype)
     return (None if state_only else torch.cat(outs, dim=1)), state

@@ -1,0 +1,158 @@
+"""SGLang's GPU-default scheduling on our CPUs (issue 28): `--mamba-radix-cache-strategy auto` resolving to
+extra_buffer with the overlap scheduler, as every GPU server runs it, for stock SGLang and for Tail-Replay.
+
+Stock keeps recurrent states only at track points (every 64 prefill tokens, every 256 decode tokens) and caps each
+insert there, so its hits land on that grid and a short chat turn inserts nothing. Tail-Replay inserts every token's
+KV, keeps the tracked states as anchors at their own depth, and replays the rest exactly. "Exact" is measured as in
+test_anchored_replay.py: log-probs of the prompt after the hit and of the outputs against the same server's no-cache
+prefill, within stock's own hit noise on these long-memory random float32 models (0.02 nats per token).
+"""
+
+import concurrent.futures
+import random
+
+import pytest
+import requests
+
+from helpers import Spec, assert_exact, generate, no_cache, random_ids, scored, start_servers
+from soak import pool_leaks, wait_idle
+from tailreplay_eval.reference import greedy_generate
+from tailreplay_eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+TRACK = 64  # SGLang's prefill track grid at page size 1 and 16: lcm(max(64, page), page)
+INTERVAL = 128
+TAIL_REPLAY = ("--enable-tail-replay", "--dtype", "float32", "--enable-cache-report", "--tail-replay-anchor-interval",
+               str(INTERVAL), "--chunked-prefill-size", "256")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen35, tmp_path_factory):
+    """No strategy flag and no --disable-overlap-schedule on any of them (`gpu_scheduling`):
+    - stock: also page size 16 (SGLang resolves auto to extra_buffer for paging as well);
+    - tail_replay: the defaults, interval anchors every INTERVAL tokens, 256-token prefill chunks;
+    - small_pool: the same with 12 mamba slots for 3 running requests (each holds a live slot and two track
+      slots), so anchors are evicted while requests run."""
+    gpu = {"gpu_scheduling": True}
+    yield from start_servers(tmp_path_factory, {
+        "stock": Spec(tiny_qwen35, ("--dtype", "float32", "--enable-cache-report", "--page-size", "16"), kwargs=gpu),
+        "tail_replay": Spec(tiny_qwen35, TAIL_REPLAY, kwargs=gpu),
+        "small_pool": Spec(tiny_qwen35, (*TAIL_REPLAY, "--max-mamba-cache-size", "12"),
+                           kwargs={**gpu, "max_running_requests": 3}),
+    })
+
+
+def cold_equals_hf(srv, hf_model, prompt) -> dict:
+    flush_cache(srv.base_url)
+    cold = generate(srv, prompt, 6)
+    assert cold["output_ids"] == greedy_generate(hf_model[0], prompt, 6)
+    return cold
+
+
+@pytest.mark.parametrize("name", ["stock", "tail_replay"])
+def test_servers_run_extra_buffer_with_the_overlap_scheduler(servers, name):
+    info = requests.get(f"{servers[name].base_url}/server_info", timeout=30).json()
+    assert info["mamba_radix_cache_strategy"] == "extra_buffer"
+    assert info["disable_overlap_schedule"] is False
+
+
+def test_stock_equals_hf_and_hits_on_its_track_grid(servers, hf_qwen35):
+    """Stock SGLang on the GPU path (extra_buffer, overlap, 16-token pages) serves as HF computes, and a resend hits
+    at the last track point of the prompt, as SGLang does on a GPU."""
+    srv, prompt = servers["stock"], random_ids(300, seed=1)
+    cold = cold_equals_hf(srv, hf_qwen35, prompt)
+    resend = generate(srv, prompt, 6)
+    assert resend["meta_info"]["cached_tokens"] == 300 // TRACK * TRACK
+    assert resend["output_ids"] == cold["output_ids"]
+
+
+def test_tail_replay_equals_hf_cold_and_hits_every_matched_token(servers, hf_qwen35):
+    srv, prompt = servers["tail_replay"], random_ids(300, seed=1)
+    cold = cold_equals_hf(srv, hf_qwen35, prompt)
+    ids = prompt + cold["output_ids"] + random_ids(12, seed=9)
+    kept = len(prompt) + len(cold["output_ids"]) - 1
+    hit = scored(srv, ids, kept)
+    meta = hit["meta"]
+    # the request's state was tracked at its last track point, not where it ended: the hit replays from there
+    assert meta["cached_tokens"] == kept and meta["tail_replay_exact"] is True
+    assert meta["tail_replay_anchor"] % TRACK == 0 and 0 < meta["tail_replay_tokens"] < TRACK + 6
+    assert_exact(hit, no_cache(srv, ids, kept))
+
+
+def test_short_chat_turns_hit_their_previous_turn_where_stock_inserts_nothing(servers):
+    """Turns shorter than a track interval: stock's insert stops at the last track point, which is 0, so no turn
+    hits; Tail-Replay matches each turn through the previous answer and answers as no cache does."""
+    srv, stock = servers["tail_replay"], servers["stock"]
+    for s in (srv, stock):
+        flush_cache(s.base_url)
+    ids, turns = random_ids(40, seed=2), []
+    for turn in range(3):
+        out = scored(srv, ids, len(ids) - 1, 5)
+        stock_meta = generate(stock, ids, 5)["meta_info"]
+        turns.append((list(ids), out))
+        if turn:
+            assert stock_meta["cached_tokens"] == 0
+            assert out["meta"]["cached_tokens"] == len(previous) + 5 - 1 and out["meta"]["tail_replay_exact"]
+        previous = ids
+        ids = ids + out["output_ids"] + random_ids(10, seed=10 + turn)
+    for prompt, out in turns[1:]:
+        assert_exact(out, no_cache(srv, prompt, len(prompt) - 1, 5))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_forks_at_random_points_replay_less_than_the_interval_and_equal_no_cache(servers, seed):
+    """The nearest anchor of a fork is an interval anchor, a chunk's or a track point: fewer than INTERVAL tokens
+    back. Stock on the same fork would hit at most to the track grid."""
+    srv = servers["tail_replay"]
+    rng = random.Random(seed)
+    base = random_ids(1000, seed=seed)
+    flush_cache(srv.base_url)
+    for cut in sorted(rng.sample(range(INTERVAL + 1, 990), 3)):
+        ids = base[:cut] + random_ids(12, seed=cut)
+        generate(srv, base, 1)
+        hit = scored(srv, ids, cut)
+        meta = hit["meta"]
+        assert meta["cached_tokens"] == cut and meta["tail_replay_exact"] is True
+        assert 0 <= meta["tail_replay_tokens"] < INTERVAL
+        assert meta["tail_replay_anchor"] == cut - meta["tail_replay_tokens"]
+        assert_exact(hit, no_cache(srv, ids, cut))
+
+
+def test_eight_concurrent_hits_are_exact(servers):
+    srv = servers["tail_replay"]
+    flush_cache(srv.base_url)
+    prefix = random_ids(700, seed=6)
+    generate(srv, prefix, 1)
+    prompts = [prefix[:650] + random_ids(5 + i, seed=20 + i) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        hits = list(pool.map(lambda ids: scored(srv, ids, 650), prompts))
+    assert all(h["meta"]["cached_tokens"] == 650 and h["meta"]["tail_replay_exact"] for h in hits)
+    for ids, hit in zip(prompts, hits):
+        assert_exact(hit, no_cache(srv, ids, 650))
+    assert pool_leaks(wait_idle(srv.base_url)) == []
+
+
+def test_small_pool_never_claims_an_approximate_hit_exact(servers):
+    """12 mamba slots, 3 requests at a time: forks, resends and continuations of 5 prompts race for slots and
+    evict anchors. Every hit reported exact equals the no-cache prefill; the rest are the zero-init tail; nothing
+    leaks."""
+    srv = servers["small_pool"]
+    flush_cache(srv.base_url)
+    prompts = [random_ids(500, seed=100 + i) for i in range(5)]
+    for ids in prompts:
+        generate(srv, ids, 2)
+    rng = random.Random(7)
+    workload = []
+    for i in range(12):
+        base = prompts[i % 5]
+        cut = rng.randrange(100, 500)
+        workload.append(base[:cut] + random_ids(rng.randrange(5, 40), seed=200 + i))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        hits = list(pool.map(lambda ids: scored(srv, ids, len(ids) - 4), workload))
+    state = wait_idle(srv.base_url)
+    assert pool_leaks(state) == [] and state["evicted_anchors"] > 0
+    exact = [(ids, hit) for ids, hit in zip(workload, hits) if hit["meta"]["tail_replay_exact"]]
+    assert exact and all(hit["meta"]["cached_tokens"] >= 100 for hit in hits)
+    for ids, hit in exact:
+        assert_exact(hit, no_cache(srv, ids, len(ids) - 4))
