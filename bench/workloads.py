@@ -1,7 +1,7 @@
 """Traffic shapes where hybrid prefix caches differ, on real SGLang servers: Tail-Replay, stock, and no cache.
 
     python bench/workloads.py [--preset small] [--scale 1.0] [--shapes ...] [--server-args "--dtype float32"] \
-        [--out runs/workloads.json]
+        [--configs ...] [--gpu-scheduling] [--out runs/workloads.json]
 
 For each shape and server: cached tokens / matchable tokens, mean TTFT and total time. Matchable tokens are
 computed client-side: for each request, the longest common prefix with anything the server has already seen in
@@ -48,7 +48,10 @@ from transformers import AutoTokenizer
 from tailreplay_eval import harness, memory
 from tailreplay_eval.client import chat_ids, document, stream_generate
 
-CONFIGS = {"Tail-Replay": ("--enable-tail-replay",), "stock": (), "no cache": ("--disable-radix-cache",)}
+CONFIGS = {"Tail-Replay": ("--enable-tail-replay",), "stock": (), "no cache": ("--disable-radix-cache",),
+           # paged KV exists only under extra_buffer (SGLang's no_buffer needs page size 1): with --gpu-scheduling
+           "Tail-Replay p16": ("--enable-tail-replay", "--page-size", "16")}
+DEFAULT_CONFIGS = ("Tail-Replay", "stock", "no cache")
 QUESTION_LENS = (40, 376, 1296)
 
 
@@ -324,7 +327,7 @@ def main(argv=None):
     harness.add_common_args(ap, "workloads.json")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), metavar="SHAPE",
                     help=f"subset of: {'; '.join(SHAPES)}")
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every shape's token counts")
     ap.add_argument("--gsp-system-tokens", type=int, default=3000, help="shared system prompt length")
     ap.add_argument("--gsp-groups", type=int, default=2)
@@ -348,11 +351,13 @@ def main(argv=None):
     else:
         # Every shape's working set fits the pool, so LRU only evicts earlier shapes' content.
         with harness.running_servers(model_path, configs, out, console, max_total_tokens=65536,
-                                     context_length=16384, max_running_requests=max(8, args.burst)) as procs:
+                                     context_length=16384, max_running_requests=max(8, args.burst),
+                                     gpu_scheduling=args.gpu_scheduling) as procs:
             results = run_all(ctx, {label: p.base_url for label, p in procs.items()}, console)
 
     labels = list(configs)
-    title = f"workloads on {model_path.name} ({args.server_args}, scale {args.scale})"
+    scheduling = "extra_buffer + overlap" if args.gpu_scheduling else "no_buffer"
+    title = f"workloads on {model_path.name} ({args.server_args}, {scheduling}, scale {args.scale})"
     print_table(results, labels, title, console)
     method = (harness.TTFT_METHOD + " (the shared-system-prompt shapes: bench_serving's own TTFT, the same "
               "definition); total = wall time of the shape's requests (bench_serving: its benchmark duration)")
@@ -360,6 +365,7 @@ def main(argv=None):
     mem = memory.account_for_configs(model_path, configs, run.server_args)
     console.print(memory.table(mem))
     result = {"method": method, "model": str(model_path), "server_args": args.server_args, "configs": configs,
+              "scheduling": scheduling,
               "urls": args.url, "scale": args.scale, "memory": mem, "machine_before": run.machine_before,
               "machine_after": harness.machine(), "wall_s": run.elapsed(), "results": results}
     out.write_text(json.dumps(result, indent=2))

@@ -42,6 +42,9 @@ def add_common_args(ap, out_name: str) -> None:
     # the others load; with the CPU default of 0.1 the last one got a 6.9K-token pool instead of 72K.
     ap.add_argument("--server-args", default="--dtype float32 --mem-fraction-static 0.5",
                     help="flags for every server (float32: these CPUs have no fast bf16 matmul)")
+    ap.add_argument("--gpu-scheduling", action="store_true",
+                    help="start the servers with SGLang's GPU default scheduling (no strategy flag: extra_buffer with "
+                         "the overlap scheduler) instead of no_buffer")
     ap.add_argument("--url", action="append", default=[],
                     help="[LABEL=]URL of a running server (repeatable); then no server is started")
     ap.add_argument("--seed", type=int, default=0)

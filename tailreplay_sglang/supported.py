@@ -34,8 +34,9 @@ SUPPORTED = {
     # auto resolves to one of the two (extra_buffer wherever the overlap scheduler or paging is on)
     "mamba_radix_cache_strategy": (("auto", "no_buffer", "extra_buffer"), "--mamba-radix-cache-strategy",
                                    "extra_buffer_lazy allocates track slots at chunk boundaries (not tested)"),
-    "page_size": ((1, None), "--page-size 1",  # None: SGLang's default, 1
-                  "paged KV is not supported yet (hits are matched to the page)"),
+    # page sizes dividing the 64-token GDN chunk keep every track point and chunk-aligned anchor on a page boundary
+    # (a hit is matched to the page and the rest of it recomputed, as stock does); None: SGLang's default, 1
+    "page_size": ((None, 1, 2, 4, 8, 16, 32, 64), "--page-size", "pages larger than the 64-token GDN chunk"),
     "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
     "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
     "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),

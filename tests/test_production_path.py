@@ -23,6 +23,7 @@ pytestmark = pytest.mark.server
 
 TRACK = 64  # SGLang's prefill track grid at page size 1 and 16: lcm(max(64, page), page)
 INTERVAL = 128
+PAGE = 16
 TAIL_REPLAY = ("--enable-tail-replay", "--dtype", "float32", "--enable-cache-report", "--tail-replay-anchor-interval",
                str(INTERVAL), "--chunked-prefill-size", "256")
 
@@ -32,13 +33,13 @@ def servers(tiny_qwen35, tmp_path_factory):
     """No strategy flag and no --disable-overlap-schedule on any of them (`gpu_scheduling`):
     - stock: also page size 16 (SGLang resolves auto to extra_buffer for paging as well);
     - tail_replay: the defaults, interval anchors every INTERVAL tokens, 256-token prefill chunks;
-    - small_pool: the same with 12 mamba slots for 3 running requests (each holds a live slot and two track
-      slots), so anchors are evicted while requests run."""
+    - small_pool: the same with 16-token pages and 12 mamba slots for 3 running requests (each holds a live slot
+      and two track slots), so anchors are evicted while requests run."""
     gpu = {"gpu_scheduling": True}
     yield from start_servers(tmp_path_factory, {
         "stock": Spec(tiny_qwen35, ("--dtype", "float32", "--enable-cache-report", "--page-size", "16"), kwargs=gpu),
         "tail_replay": Spec(tiny_qwen35, TAIL_REPLAY, kwargs=gpu),
-        "small_pool": Spec(tiny_qwen35, (*TAIL_REPLAY, "--max-mamba-cache-size", "12"),
+        "small_pool": Spec(tiny_qwen35, (*TAIL_REPLAY, "--max-mamba-cache-size", "12", "--page-size", str(PAGE)),
                            kwargs={**gpu, "max_running_requests": 3}),
     })
 
@@ -133,6 +134,22 @@ def test_eight_concurrent_hits_are_exact(servers):
     assert pool_leaks(wait_idle(srv.base_url)) == []
 
 
+def test_paged_kv_hits_to_the_page_and_equals_no_cache(servers):
+    """16-token pages: SGLang's tree keys whole pages, so a hit ends on the last page boundary of the match and the
+    rest of that page is recomputed by the extend; the replay reaches the page boundary exactly."""
+    srv = servers["small_pool"]
+    flush_cache(srv.base_url)
+    base = random_ids(600, seed=11)
+    for cut in (200, 333, 517):
+        generate(srv, base, 1)  # cached again after each no-cache reference flushed it
+        ids = base[:cut] + random_ids(9, seed=cut)
+        hit = scored(srv, ids, cut)
+        meta = hit["meta"]
+        assert meta["cached_tokens"] == cut // PAGE * PAGE and meta["tail_replay_exact"] is True
+        assert meta["tail_replay_anchor"] % PAGE == 0 and meta["tail_replay_tokens"] < INTERVAL
+        assert_exact(hit, no_cache(srv, ids, cut))
+
+
 def test_small_pool_never_claims_an_approximate_hit_exact(servers):
     """12 mamba slots, 3 requests at a time: forks, resends and continuations of 5 prompts race for slots and
     evict anchors. Every hit reported exact equals the no-cache prefill; the rest are the zero-init tail; nothing
@@ -153,6 +170,6 @@ def test_small_pool_never_claims_an_approximate_hit_exact(servers):
     state = wait_idle(srv.base_url)
     assert pool_leaks(state) == [] and state["evicted_anchors"] > 0
     exact = [(ids, hit) for ids, hit in zip(workload, hits) if hit["meta"]["tail_replay_exact"]]
-    assert exact and all(hit["meta"]["cached_tokens"] >= 100 for hit in hits)
+    assert exact and all(hit["meta"]["cached_tokens"] >= 100 // PAGE * PAGE for hit in hits)
     for ids, hit in exact:
         assert_exact(hit, no_cache(srv, ids, len(ids) - 4))

@@ -113,9 +113,13 @@ class IntervalAnchors:
 def insert_state_at_depth(cache, req, depth: int, slot) -> bool:
     """Insert the state in `slot` at `depth` of the request's path, whose KV is already in the tree (the request's
     row holds the tree's indices up to `cache_protected_len`, so nothing is freed as a duplicate). False if a state
-    was already there (the caller frees the slot)."""
+    was already there, or if `depth` is not on a page boundary: the tree keys whole pages, and would put the state
+    at the page start, where it is not the state (the caller frees the slot)."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    if depth % cache.page_size:
+        return False
 
     key = RadixKey(req.full_untruncated_fill_ids[:depth], req.extra_key, is_bigram=False, cache_salt=req.cache_salt)
     value = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64, copy=True)
