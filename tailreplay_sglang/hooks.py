@@ -10,8 +10,7 @@ Tables, by where they are registered:
 - `ALWAYS`: every SGLang process, with or without `--enable-tail-replay` (plugin entry point `tailreplay`), and
   `MODEL_LOADER` in those that already loaded SGLang's model loader;
 - `RUNTIME` and `INTERVAL_ANCHORS`: scheduler processes with Tail-Replay enabled; rows marked `bound` get the
-  process's `TailReplayRuntime` as their function's first parameter; the second table only where the CPU prefill ops
-  can write anchor states;
+  process's `TailReplayRuntime` as their function's first parameter; the second table only with interval anchors;
 - `CPU_ENGINE`: SGLang on a CPU without AMX (plugin entry point `tailreplay_cpu_ops`);
 - `ELSEWHERE`: changes made outside `HookRegistry`, listed here so that this file is the whole picture: the two
   `.pth` import hooks the wheel installs into site-packages, and the capture's torch pre-hooks on the model.
@@ -101,13 +100,13 @@ RUNTIME = (
 
 INTERVAL_ANCHORS = (
     Hook(f"{_SRT}.layers.attention.linear.gdn_backend.causal_conv1d_fn", "around",
-         f"{_PKG}.lifecycle:write_anchor_states",
-         "SGLang's CPU prefill conv (the fallback's op): also writes the conv states the anchor plan asks for",
-         bound=True),
+         f"{_PKG}.lifecycle:write_anchor_conv_states",
+         "SGLang's prefill conv (every device): the planned anchors' conv states are the inputs before each offset, "
+         "read before the conv updates the slots", bound=True),
     Hook(f"{_SRT}.layers.attention.linear.kernels.gdn_triton.chunk_gated_delta_rule", "around",
-         f"{_PKG}.lifecycle:write_anchor_states",
-         "SGLang's CPU chunked GDN prefill (the fallback's op): also writes the recurrent states of the plan",
-         bound=True),
+         f"{_PKG}.lifecycle:write_anchor_ssm_states",
+         "SGLang's chunked GDN prefill (fla's Triton kernel, or the fallback's op): the states it returns for every "
+         "64-token chunk hold the planned anchors' SSM states", bound=True),
     Hook(f"{_CACHE}.checkpoint_into_tree", "after", f"{_PKG}.lifecycle:insert_interval_anchors",
          "the request's KV is in the tree and its row holds the tree's indices: an anchor can be inserted at its "
          "depth without freeing anything as a duplicate", bound=True),
@@ -191,7 +190,7 @@ def register_always() -> None:
 
 
 def runtime_tables(runtime) -> tuple[Hook, ...]:
-    """The rows a runtime registers: interval-anchor rows only where its ops can write anchor states."""
+    """The rows a runtime registers: interval-anchor rows only with interval anchors."""
     return RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
 
 

@@ -8,8 +8,9 @@ Lifecycle of a hit:
    prefix length, become pending replays; the batch's interval anchors are planned (`mark_pending`);
 3. `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` (after SGLang cleared the new slots): the pending
    replays of the batch run as one varlen pass (`replay.py`), then the extend continues from the prefix;
-4. during every forward the capture hooks keep the hidden store current (`capture.py`), and the CPU prefill ops
-   write the planned interval anchors (`write_anchor_states`);
+4. during every forward the capture hooks keep the hidden store current (`capture.py`), and the hooks on the
+   prefill conv and chunked GDN write the planned interval anchors (`write_anchor_conv_states`,
+   `write_anchor_ssm_states`);
 5. `checkpoint_into_tree` (after): the interval anchors enter the tree.
 The hidden store is sized with the KV pool and charged to its per-token cell size, so fewer tokens fit.
 """
@@ -77,9 +78,6 @@ def _log_anchor_bytes(runtime: TailReplayRuntime, runner, layout: HybridLayout) 
     interval = config.anchor_interval
     logger.info("Tail-Replay anchors: %d B per anchor (one mamba slot); interval %s%s", per_anchor,
                 interval or "off", f" = {per_anchor / interval:.0f} B per cached token" if interval else "")
-    if interval and runtime.interval_anchors is None:
-        logger.warning("Tail-Replay: --tail-replay-anchor-interval needs the torch GDN prefill ops (CPU without "
-                       "sgl-kernel) for now; only request-end and chunk-end anchors are kept")
 
 
 def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
@@ -99,9 +97,21 @@ def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
     return result
 
 
-def write_anchor_states(runtime: TailReplayRuntime, original, *args, **kwargs):
-    """AROUND SGLang's CPU prefill ops (conv, chunked GDN): they also write the states the anchor plan asks for."""
-    return original(*args, state_checkpoints=runtime.interval_anchors.by_slot, **kwargs)
+def write_anchor_conv_states(runtime: TailReplayRuntime, original, x, *args, **kwargs):
+    """AROUND SGLang's prefill conv (`gdn_backend._convolve_prefill` passes the state arguments by keyword): the
+    planned anchors' conv states, from its input, before it updates the slots."""
+    runtime.interval_anchors.write_conv_states(x, kwargs["conv_states"], kwargs["cache_indices"],
+                                               kwargs["query_start_loc"], kwargs["has_initial_state"])
+    return original(x, *args, **kwargs)
+
+
+def write_anchor_ssm_states(runtime: TailReplayRuntime, original, *args, **kwargs):
+    """AROUND SGLang's chunked GDN prefill (`gdn_triton.TritonGDNKernel.extend` passes everything by keyword): the
+    planned anchors' SSM states, from the per-chunk states it returns."""
+    out = original(*args, **kwargs)
+    runtime.interval_anchors.write_ssm_states(out[2], kwargs["initial_state"], kwargs["initial_state_indices"],
+                                              kwargs["cu_seqlens"])
+    return out
 
 
 def insert_interval_anchors(runtime: TailReplayRuntime, result, cache, req, *args, **kwargs):

@@ -8,8 +8,7 @@ What it holds, and who fills it:
 - `config`: the validated flags (`config.TailReplayConfig`), fixed at creation;
 - `pending`: hits between their match and their replay (`cache.pending`), written by the cache component and the
   `prepare_for_extend` hook, taken by the replay hook;
-- `interval_anchors`: the anchor planner, whose plan the CPU prefill ops read through their hooks (None where the
-  ops cannot take mid-sequence states);
+- `interval_anchors`: the anchor planner, whose plan the prefill hooks fill (None without interval anchors);
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
 - `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
@@ -41,13 +40,9 @@ class TailReplayRuntime:
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
-        """The runtime of a scheduler process. Interval anchors need prefill ops that can write mid-sequence states:
-        for now only the torch GDN ops of the CPU fallback can (`cache.anchors.capture_available`)."""
-        from tailreplay_sglang.cache.anchors import capture_available
-
+        """The runtime of a scheduler process; interval anchors unless the budget or the interval is 0."""
         wants_intervals = config.anchored and config.anchor_interval > 0
-        anchors = IntervalAnchors(config.anchor_interval) if wants_intervals and capture_available() else None
-        return cls(config, interval_anchors=anchors)
+        return cls(config, interval_anchors=IntervalAnchors(config.anchor_interval) if wants_intervals else None)
 
     def count_evicted_anchor(self) -> None:
         self.evicted_anchors += 1

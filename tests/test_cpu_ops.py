@@ -298,44 +298,17 @@ def test_cpu_gated_norm_replacement_matches_formula():
     assert rel_err(rmsnorm_gated_forward(module, x, z), ref) < TOL
 
 
-# ---- state checkpoints (Tail-Replay's interval anchors): mid-sequence states written into other slots ----
-
-def test_chunk_gated_delta_rule_checkpoints_hold_the_state_after_each_offset():
-    """The state after `offset` tokens goes into the checkpoint's slot; the outputs and final state are those of
-    the uncut scan (offsets on 64-token chunk boundaries: bit-identical; an offset of 0 keeps the initial state)."""
-    q, k, v, g, beta, pool, idx, cu = _gdn_inputs([200, 150], 2, 4, 16, 16, slots=16)
-    spare = [i for i in range(16) if i not in idx.tolist()]
-    checkpoints = {int(idx[0]): [(0, spare[0]), (64, spare[1]), (128, spare[2])], int(idx[1]): [(64, spare[3])]}
-    plain = pool.clone()
-    o_plain, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, plain, cu, idx, use_qk_l2norm_in_kernel=True)
-    pool_before = pool.clone()
-    o, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True,
-                                      checkpoints=checkpoints)
-    assert torch.equal(o, o_plain) and torch.equal(pool[idx], plain[idx])
-    for i, (s, _) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        for offset, dst in checkpoints[int(idx[i])]:
-            _, ref_state = _reference(q, k, v, g, beta, pool_before[idx[i]], s, s + offset)
-            if offset == 0:
-                ref_state = pool_before[idx[i]].double()
-            assert rel_err(pool[dst], ref_state) < TOL
-    untouched = [i for i in spare[4:]]
-    assert torch.equal(pool[untouched], pool_before[untouched])
-
-
 # ---- per-chunk states (h): what SGLang's extra_buffer strategy tracks prefill states from ----
 
-@pytest.mark.parametrize("cut_offsets", [[], [0, 100, 128]], ids=["plain", "with-checkpoints"])
-def test_chunk_states_are_the_states_entering_each_64_token_chunk(cut_offsets):
+def test_chunk_states_are_the_states_entering_each_64_token_chunk():
     """h[offset_i + j] (offset_i = chunks of the sequences before i) is the state of sequence i after 64 j of its
-    tokens, as fla's chunk kernel returns it; checkpoints cutting the scan elsewhere (100) leave h on the 64 grid."""
+    tokens, as fla's chunk kernel returns it."""
     lengths = [200, 64, 1, 130]
     q, k, v, g, beta, pool, idx, cu = _gdn_inputs(lengths, 2, 4, 16, 16, slots=16)
-    spare = [i for i in range(16) if i not in idx.tolist()]
-    checkpoints = {int(idx[0]): list(zip(cut_offsets, spare))} if cut_offsets else None
     pool_before, plain = pool.clone(), pool.clone()
     o_plain, final_plain = gdn.chunk_gated_delta_rule(q, k, v, g, beta, plain, cu, idx, use_qk_l2norm_in_kernel=True)
     o, final, h = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True,
-                                             checkpoints=checkpoints, chunk_states=True)
+                                             chunk_states=True)
     assert h.shape == (1, sum(-(-n // 64) for n in lengths), 4, 16, 16)
     assert rel_err(o, o_plain) < TOL and rel_err(final, final_plain) < TOL
     row = 0
@@ -364,19 +337,44 @@ def test_track_copy_moves_tracked_rows_states_into_their_track_slots():
     assert torch.equal(one_conv, conv_ref[0]) and torch.equal(one_ssm, ssm_ref[0])
 
 
-def test_causal_conv1d_fwd_checkpoints_hold_the_inputs_before_each_offset():
-    dim, width, slots = 12, 4, 8
-    x = torch.randn(dim, 50)
-    weight = torch.randn(dim, width)
-    states = torch.randn(slots, dim, width - 1)
-    init = states[2].clone()
-    checkpoints = {2: [(0, 5), (2, 6), (30, 7)]}
-    conv.causal_conv1d_fwd(x, weight, None, states, torch.tensor([0, 50]), torch.tensor([2]), torch.tensor([True]),
-                           "silu", checkpoints=checkpoints)
-    stream = torch.cat([init, x], dim=1)  # the width - 1 inputs before token t are stream[:, t : t + width - 1]
-    for offset, dst in checkpoints[2]:
-        assert torch.equal(states[dst], stream[:, offset:offset + width - 1])
-    assert torch.equal(states[2], x[:, -(width - 1):])
+# ---- interval anchors: states at planned offsets, from the prefill's inputs and per-chunk states ----
+
+def test_interval_anchor_states_are_the_states_after_each_offset():
+    """The plan's anchors (offsets 0, 64, 128 of a 200-token sequence; 64 of a 150-token one, packed after a third
+    sequence with none) get the conv state the conv op leaves after `offset` tokens and the SSM state of the float64
+    recurrence after them; nothing else changes, and every written slot is marked."""
+    from tailreplay_sglang.cache.anchors import IntervalAnchors
+
+    lengths, dim, width = [200, 30, 150], 12, 4
+    q, k, v, g, beta, pool, idx, cu = _gdn_inputs(lengths, 2, 4, 16, 16, slots=16)
+    spare = [i for i in range(16) if i not in idx.tolist()]
+    anchors = IntervalAnchors(64)
+    anchors.by_slot = {int(idx[0]): [(0, spare[0]), (64, spare[1]), (128, spare[2])], int(idx[2]): [(64, spare[3])]}
+    x, weight = torch.randn(dim, sum(lengths)), torch.randn(dim, width)
+    conv_pool, initial = torch.randn(16, dim, width - 1), torch.tensor([True, False, True])
+    conv_before, pool_before = conv_pool.clone(), pool.clone()
+
+    anchors.write_conv_states(x, conv_pool, idx, cu, initial)
+    conv.causal_conv1d_fwd(x, weight, None, conv_pool, cu, idx, initial, "silu")
+    _, _, h = gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, idx, use_qk_l2norm_in_kernel=True,
+                                         chunk_states=True)
+    anchors.write_ssm_states(h, pool, idx, cu)
+
+    for i, cuts in ((0, anchors.by_slot[int(idx[0])]), (2, anchors.by_slot[int(idx[2])])):
+        s = int(cu[i])
+        for offset, dst in cuts:
+            alone = conv_before.clone()  # the conv run over the first `offset` tokens alone leaves the anchor's state
+            if offset:
+                conv.causal_conv1d_fwd(x[:, s:s + offset], weight, None, alone, torch.tensor([0, offset]),
+                                       idx[i:i + 1], initial[i:i + 1], "silu")
+            assert torch.equal(conv_pool[dst], alone[idx[i]])
+            ref = pool_before[idx[i]].double() if offset == 0 else \
+                _reference(q, k, v, g, beta, pool_before[idx[i]], s, s + offset)[1]
+            assert rel_err(pool[dst], ref) < TOL
+    assert anchors.written == {"conv": set(spare[:4]), "ssm": set(spare[:4])}
+    untouched = spare[4:]
+    assert torch.equal(pool[untouched], pool_before[untouched])
+    assert torch.equal(conv_pool[untouched], conv_before[untouched])
 
 
 def test_thread_bind_strings_parse_like_linux_cpulists():

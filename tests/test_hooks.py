@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from tailreplay_sglang import hooks, lifecycle
 from tailreplay_sglang.cache.anchors import IntervalAnchors
@@ -48,33 +49,32 @@ def test_no_other_module_registers_a_hook():
 
 
 def test_the_runtime_hooks_read_their_own_runtime():
-    """Two runtimes (two scheduler processes' worth) share nothing: the anchor plan an op sees is its runtime's."""
+    """Two runtimes (two scheduler processes' worth) share nothing: the anchor plan a prefill hook fills is its
+    runtime's."""
     config = TailReplayConfig(enabled=True)
     first = TailReplayRuntime(config, interval_anchors=IntervalAnchors(512))
     second = TailReplayRuntime(config, interval_anchors=IntervalAnchors(512))
     first.interval_anchors.by_slot = {3: [(64, 5)]}
-    seen = []
-
-    def op(*args, state_checkpoints=None, **kwargs):
-        seen.append(state_checkpoints)
-
-    lifecycle.write_anchor_states(first, op, "x")
-    lifecycle.write_anchor_states(second, op, "x")
-    assert seen == [{3: [(64, 5)]}, {}]
+    h = torch.arange(2.0).view(1, 2, 1, 1, 1).expand(1, 2, 2, 2, 2)  # the state entering chunks 0 and 1: 0, 1
+    kernel = lambda **kw: (None, None, h)  # noqa: E731
+    for runtime in (first, second):
+        pool = torch.full((8, 2, 2, 2), -1.0)
+        lifecycle.write_anchor_ssm_states(runtime, kernel, initial_state=pool, initial_state_indices=torch.tensor([3]),
+                                          cu_seqlens=torch.tensor([0, 100]))
+        assert pool[5].eq(1.0 if runtime is first else -1.0).all()
+    assert first.interval_anchors.written["ssm"] == {5} and second.interval_anchors.written["ssm"] == set()
     first.count_evicted_anchor()
     assert (first.evicted_anchors, second.evicted_anchors) == (1, 0)
     assert first.pending is not second.pending
 
 
-def test_interval_anchor_hooks_only_where_the_ops_take_states():
-    """No interval anchors with the paper's budget 0 or interval 0; with them, only where the fallback serves the
-    ops."""
-    from tailreplay_sglang.cache.anchors import capture_available
-
+def test_interval_anchor_hooks_only_with_interval_anchors():
+    """No interval anchors with the paper's budget 0 or interval 0; with them on every device (the prefill's
+    per-chunk states exist on every device)."""
     assert TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True, exact_budget=0)).interval_anchors is None
     assert TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True, anchor_interval=0)).interval_anchors is None
     anchors = TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True)).interval_anchors
-    assert capture_available() and anchors is not None and anchors.interval == 512
+    assert anchors is not None and anchors.interval == 512
 
 
 @pytest.mark.parametrize("cpu_engine, cpu_torch, disabled, served", [

@@ -1,37 +1,32 @@
 """Interval anchors: the recurrent state every N tokens of a prefill (`--tail-replay-anchor-interval N`), kept in
 the radix tree like the ones SGLang keeps where a request or a prefill chunk ends.
 
-The states come from inside the chunked GDN prefill, which computes the state at every 64-token chunk boundary
-anyway: before a prefill forward, each exact request gets a mamba slot per anchor at extend start + N, + 2N, ...
-(short of the extend's end, which the chunk-end anchor covers), and the CPU prefill ops write the conv and SSM state
-there into that slot, layer by layer: `IntervalAnchors.plan` makes the plan (`by_slot`), and the runtime's hooks on
-SGLang's two CPU prefill call sites hand it to the ops (`lifecycle.write_anchor_states`). Prefill chunks keep their
-size.
-A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend): together with the
-anchor it replayed from (within the budget) and the ones every N tokens after it, every point of its path has an
-anchor at most max(budget, N) tokens back, and the next request branching at the same point replays nothing.
-Once SGLang has put the request's KV into the tree (`checkpoint_into_tree`), each anchor is inserted at its depth,
-splitting the node there; an anchor the tree cannot take (a state already there, the request not inserted) is freed.
-
-Only on the torch GDN path (CPU without sgl-kernel): the GPU chunk kernels form the same per-chunk states, but
-nothing here reads them yet, so on a GPU only the request-end and chunk-end anchors are kept.
+The states come from the chunked GDN prefill, which computes the state entering every 64-token chunk anyway and
+returns them all (`h`, fla's layout, on every device: fla's Triton kernel on a GPU, the fallback's torch op on CPU;
+SGLang's extra_buffer tracking reads the same tensor). Before a prefill forward, each exact request gets a mamba slot
+per anchor at extend start + N, + 2N, ... (short of the extend's end, which the chunk-end anchor covers):
+`IntervalAnchors.plan` makes the plan (`by_slot`). During the forward the runtime's hooks on SGLang's two prefill
+call sites fill the slots, layer by layer: the conv state at an offset is the width - 1 inputs before it, taken from
+the conv's own input before the conv runs (`write_conv_states`); the SSM state is `h` at the offset's chunk, taken
+after the chunk kernel ran (`write_ssm_states`). N is a multiple of 64, so every offset is on the chunk grid. Each
+slot is marked written by both (`written`); only a written anchor is ever inserted, so a prefill kernel that bypasses
+the hooks costs anchors, never correctness. Prefill chunks keep their size.
+A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend, `h`'s first chunk):
+together with the anchor it replayed from (within the budget) and the ones every N tokens after it, every point of
+its path has an anchor at most max(budget, N) tokens back, and the next request branching at the same point replays
+nothing. Once SGLang has put the request's KV into the tree (`checkpoint_into_tree`), each anchor is inserted at its
+depth, splitting the node there; an anchor the tree cannot take (a state already there, the request not inserted, a
+depth off the page grid) is freed.
 """
+
+import logging
 
 import torch
 
+logger = logging.getLogger(__name__)
+GDN_CHUNK = 64  # the chunk of `h`: fla's chunk kernels and ops/gdn.CHUNK_SIZE
+
 ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken in its last prefill forward
-
-
-def capture_available() -> bool:
-    """Whether SGLang's GDN prefill runs on this package's torch ops (the CPU fallback), the ones that take
-    checkpoints."""
-    from tailreplay_sglang.cpu import fallback
-
-    try:
-        import sgl_kernel.mamba  # noqa: F401  (served by the fallback where the real package is missing)
-    except ImportError:
-        return False
-    return fallback.is_active("sgl_kernel.mamba")
 
 
 def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]:
@@ -56,6 +51,47 @@ class IntervalAnchors:
         self.interval = interval
         # {physical slot of a request: [(offset, physical anchor slot)]} for the prefill forward being run
         self.by_slot: dict[int, list[tuple[int, int]]] = {}
+        # physical anchor slots whose conv / SSM state a hook wrote, until the anchor is inserted or freed
+        self.written: dict[str, set[int]] = {"conv": set(), "ssm": set()}
+        self.warned_unwritten = False
+
+    def write_conv_states(self, x, conv_states, cache_indices, query_start_loc, has_initial_state) -> None:
+        """Before SGLang's prefill conv (x: its input, [dim, T] packed): each planned anchor's conv state, the
+        width - 1 inputs before its offset (the sequence's own left context below that), into the anchor's slot.
+        Reads only the inputs and the slots' states from before the conv updates them."""
+        if not self.by_slot:
+            return
+        width_1 = conv_states.shape[-1]
+        bounds, slots, initial = query_start_loc.tolist(), cache_indices.tolist(), has_initial_state.tolist()
+        for i, slot in enumerate(slots):
+            for offset, dst in self.by_slot.get(slot, ()):
+                start, end = bounds[i], bounds[i + 1]
+                left = conv_states[slot].to(x.dtype) if initial[i] else x.new_zeros(x.shape[0], width_1)
+                window = torch.cat([left, x[:, start:min(end, start + offset)]], dim=-1)
+                conv_states[dst] = window[:, window.shape[-1] - width_1:].to(conv_states.dtype)
+                self.written["conv"].add(dst)
+
+    def write_ssm_states(self, h, ssm_states, cache_indices, cu_seqlens) -> None:
+        """After SGLang's chunked GDN prefill: each planned anchor's SSM state is `h` at its chunk (h: [1, NT, HV, V,
+        K], the state entering each 64-token chunk of each sequence, sequences in order)."""
+        if not self.by_slot:
+            return
+        if h is None:
+            raise RuntimeError("Tail-Replay interval anchors need the chunked GDN prefill's per-chunk states (h)")
+        bounds, slots, first_chunk = cu_seqlens.tolist(), cache_indices.tolist(), 0
+        for i, slot in enumerate(slots):
+            for offset, dst in self.by_slot.get(slot, ()):
+                assert offset % GDN_CHUNK == 0, offset
+                ssm_states[dst] = h[0, first_chunk + offset // GDN_CHUNK].to(ssm_states.dtype)
+                self.written["ssm"].add(dst)
+            first_chunk += -(-(bounds[i + 1] - bounds[i]) // GDN_CHUNK)
+
+    def _take_written(self, physical: int) -> bool:
+        """Whether both halves of the anchor in this slot were written; forgets the slot either way."""
+        written = all(physical in slots for slots in self.written.values())
+        for slots in self.written.values():
+            slots.discard(physical)
+        return written
 
     def plan(self, reqs, pool, tree_cache, is_exact, replayed_hits) -> None:
         """Before a prefill forward (scheduler side): slots for the anchors of every exact request, and where the ops
@@ -95,18 +131,25 @@ class IntervalAnchors:
         if not anchors:
             return
         setattr(req, ATTR, None)
+        pool = cache.req_to_token_pool
         inserted = req.kv.cache_protected_len if req.kv.req_pool_idx is not None else 0
         for depth, slot in anchors:
-            if depth > inserted or not insert_state_at_depth(cache, req, depth, slot):
-                cache.req_to_token_pool.mamba_allocator.free(slot)
+            written = self._take_written(int(pool.translate_mamba_indices(slot)[0]))
+            if not written and not self.warned_unwritten:
+                self.warned_unwritten = True
+                logger.warning("Tail-Replay: interval anchors were planned but the prefill did not pass through the "
+                               "hooked conv and chunked GDN (another --linear-attn-prefill-backend than triton?): "
+                               "they are dropped; only request-end, chunk-end and track anchors are kept")
+            if not written or depth > inserted or not insert_state_at_depth(cache, req, depth, slot):
+                pool.mamba_allocator.free(slot)
 
-    @staticmethod
-    def drop(pool, req) -> None:
+    def drop(self, pool, req) -> None:
         """Free the slots of anchors still pending on a request (released, or never inserted)."""
         anchors = getattr(req, ATTR, None)
         if anchors:
             setattr(req, ATTR, None)
             for _, slot in anchors:
+                self._take_written(int(pool.translate_mamba_indices(slot)[0]))
                 pool.mamba_allocator.free(slot)
 
 

@@ -7,8 +7,8 @@ it on a CPU without AMX:
 
 - the platform answer (`platform_supports_extra_buffer`);
 - per-chunk states from the chunked GDN prefill: `_track_mamba_state_extend` copies `h[track_ssm_h_src]`, the state
-  entering a 64-token chunk, into a track slot (our op returns them, `ops.gdn.chunk_gated_delta_rule(chunk_states=
-  True)`, where the strategy is on: `chunk_states_wanted`);
+  entering a 64-token chunk, into a track slot (the fallback's op returns them, as fla's kernel does:
+  `cpu/sgl_kernel_shim.chunk_gated_delta_rule_cpu`);
 - conv states in the activation dtype: the extend copies a chunk-end conv window (`mixed_qkv`, activation dtype)
   into the conv pool by index_put, which fails unless the pool has that dtype; SGLang's default conv dtype is
   bfloat16 (`SGLANG_MAMBA_CONV_DTYPE`), what a GPU model runs in, but CPU models run in float32 or float16
@@ -39,12 +39,6 @@ def extra_buffer_on() -> bool:
         return bool(get_exec().mamba.enable_mamba_extra_buffer)
     except Exception:  # no scheduler context (unit tests, the launcher)
         return False
-
-
-def chunk_states_wanted() -> bool:
-    """Whether the chunked prefill must return its per-chunk states (`h`): only under extra_buffer, where SGLang
-    tracks prefill states from them; otherwise they would be built and dropped."""
-    return extra_buffer_on()
 
 
 def pin_memory_is_identity() -> None:

@@ -38,13 +38,10 @@ class UnavailableKernel:
 
 # ---- sgl_kernel.mamba (plain Python functions, called positionally or by keyword) ----
 
-# `state_checkpoints` ({slot: [(offset, destination slot)]}: mid-sequence states to write as well) is not
-# sgl-kernel's: SGLang never passes it; Tail-Replay's interval anchors do, through their hooks on SGLang's call sites.
-
 def causal_conv1d_fn_cpu(mixed_qkv_transposed, conv_weights, bias, activation, conv_states, has_initial_state,
-                         cache_indices, query_start_loc, seq_lens_cpu=None, state_checkpoints=None, **unused):
+                         cache_indices, query_start_loc, seq_lens_cpu=None, **unused):
     return conv.causal_conv1d_fwd(mixed_qkv_transposed, conv_weights, bias, conv_states, query_start_loc,
-                                  cache_indices, has_initial_state, activation, state_checkpoints)
+                                  cache_indices, has_initial_state, activation)
 
 
 def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None, **unused):
@@ -52,18 +49,13 @@ def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activat
 
 
 def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head_first=False,
-                               use_qk_l2norm_in_kernel=False, initial_state_indices=None, state_checkpoints=None,
-                               **unused):
+                               use_qk_l2norm_in_kernel=False, initial_state_indices=None, **unused):
+    """(o, final states, h): the per-chunk states `h` too, as fla's chunk kernel returns them on a GPU (SGLang's
+    extra_buffer tracking and Tail-Replay's interval anchors read them)."""
     if head_first:
         raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first=True is not supported")
-    from tailreplay_sglang.cpu.extra_buffer import chunk_states_wanted
-
-    if chunk_states_wanted():  # extra_buffer tracks prefill states from the per-chunk states h, as on a GPU
-        return gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
-                                          use_qk_l2norm_in_kernel, checkpoints=state_checkpoints, chunk_states=True)
-    o, final_state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
-                                                use_qk_l2norm_in_kernel, checkpoints=state_checkpoints)
-    return o, final_state, None  # no per-chunk states (h), like sgl-kernel's CPU op
+    return gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, initial_state_indices,
+                                      use_qk_l2norm_in_kernel, chunk_states=True)
 
 
 MAMBA_FUNCTIONS = {f.__name__: f for f in (causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu)}

@@ -16,14 +16,11 @@ def _activate(y: torch.Tensor, activation) -> torch.Tensor:
     raise ValueError(f"unsupported conv activation {activation!r}; supported: silu, swish, none")
 
 
-def causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
-                      checkpoints: dict[int, list[tuple[int, int]]] | None = None):
+def causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation):
     """x: [dim, T] (tokens packed along the last axis); weight: [dim, width]; returns y: [dim, T] in x's dtype.
 
     Each sequence i (tokens query_start_loc[i]:query_start_loc[i+1]) is left-padded with its slot's conv state
     when has_initial_state[i], else with zeros; the slot then receives the sequence's last width - 1 inputs.
-    checkpoints: {slot: [(offset, destination slot), ...]}: the conv state after `offset` tokens of the sequence in
-    `slot` (its width - 1 inputs before that point) also goes into the destination slot.
     """
     dim, width = weight.shape
     y = torch.empty_like(x)
@@ -37,8 +34,6 @@ def causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indic
                        None if bias is None else bias.float(), groups=dim)[0]
         y[:, start:end] = _activate(out, activation).to(x.dtype)
         if slot >= 0 and conv_states is not None:
-            for offset, dst in (checkpoints or {}).get(slot, []):
-                conv_states[dst] = window[:, offset:offset + width - 1].to(conv_states.dtype)
             conv_states[slot] = window[:, -(width - 1):].to(conv_states.dtype)
     return y
 

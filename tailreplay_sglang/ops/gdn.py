@@ -105,8 +105,7 @@ def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor, block: int = 16) -> to
 def chunk_gated_delta_rule(
     q, k, v, g, beta, initial_state, cu_seqlens=None, initial_state_indices=None,
     use_qk_l2norm_in_kernel: bool = False, scale: float | None = None, chunk_size: int = CHUNK_SIZE,
-    state_only: bool = False, checkpoints: dict[int, list[tuple[int, int]]] | None = None,
-    chunk_states: bool = False,
+    state_only: bool = False, chunk_states: bool = False,
 ):
     """Chunked GDN prefill over a packed varlen batch.
 
@@ -115,9 +114,10 @@ def chunk_gated_delta_rule(
     (slot < 0 means padding: start from zero, write nothing), or [B, HV, V, K] when indices are None.
     Returns (o [1, T, HV, V] in v's dtype, final states [B, HV, V, K] float32); o is None when `state_only`
     (the last GDN layer of a replayed group needs only its state).
-    checkpoints: {slot: [(offset, destination slot), ...]}: the state of the sequence in `slot` after `offset` of
-    its tokens is also written into the pool at the destination slot (Tail-Replay's interval anchors). Offsets that
-    are multiples of `chunk_size` leave the computation unchanged: the scan is only cut where a chunk ends anyway.
+    chunk_states: also return `h` [1, NT, HV, V, K] float32, the state entering each `chunk_size`-token chunk of each
+    sequence (NT = sum of ceil(len / chunk_size), sequences in order), as fla's chunk kernel returns it: SGLang's
+    extra_buffer tracking and Tail-Replay's interval anchors read it (`h[chunks of the sequences before i + j]` = the
+    state of sequence i after j chunks).
     """
     HV, K = v.shape[2], k.shape[-1]
     scale = K**-0.5 if scale is None else scale
@@ -132,8 +132,7 @@ def chunk_gated_delta_rule(
     for i, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
         state = _read_state(initial_state, initial_state_indices, i, HV, v.shape[-1], K)
         seq = [x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf, bf)]
-        cuts = _checkpoints_of(checkpoints, initial_state_indices, i)
-        o_seq, state = _scan_with_checkpoints(seq, state, chunk_size, state_only, cuts, initial_state, entering)
+        o_seq, state = _chunk_scan(*seq, state, chunk_size, state_only, entering)
         if o is not None:
             o[start:end] = o_seq.transpose(0, 1)
         _write_state(initial_state, initial_state_indices, i, state)
@@ -143,35 +142,6 @@ def chunk_gated_delta_rule(
         h = torch.stack(entering) if entering else v.new_empty(0, HV, v.shape[-1], K, dtype=torch.float32)
         return o, torch.stack(finals), h.unsqueeze(0)
     return o, torch.stack(finals)
-
-
-def _checkpoints_of(checkpoints, indices, i: int) -> list[tuple[int, int]]:
-    if not checkpoints or indices is None:
-        return []
-    return checkpoints.get(int(indices[i]), [])
-
-
-def _scan_with_checkpoints(seq, state, chunk_size: int, state_only: bool, cuts, pool, entering=None):
-    """`_chunk_scan` of one sequence, cut at each checkpoint offset, whose state goes into the pool; `entering`
-    (when given) receives the state at every multiple of `chunk_size` before the end."""
-    if not cuts:
-        return _chunk_scan(*seq, state, chunk_size, state_only, entering)
-    T, outs, pos = seq[0].shape[1], [], 0
-    if entering is not None:  # also cut at every chunk start, so the chunk grid is the sequence's own
-        grid = [(j, None) for j in range(0, T, chunk_size) if j not in {o for o, _ in cuts}]
-        cuts = sorted([*cuts, *grid], key=lambda cut: cut[0])
-    recorded = set()
-    for offset, dst in [*cuts, (T, None)]:
-        if offset > pos:  # an offset of 0 keeps the initial state
-            o_part, state = _chunk_scan(*(x[:, pos:offset] for x in seq), state, chunk_size, state_only)
-            outs.append(o_part)
-        pos = offset
-        if entering is not None and offset < T and offset % chunk_size == 0 and offset not in recorded:
-            recorded.add(offset)
-            entering.append(state.clone())
-        if dst is not None:
-            pool[dst] = state.to(pool.dtype)
-    return (None if state_only else torch.cat(outs, dim=1)), state
 
 
 def _read_state(pool, indices, i: int, HV: int, V: int, K: int) -> torch.Tensor:
