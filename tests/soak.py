@@ -49,6 +49,7 @@ class Completed:
     output_ids: list[int]
     cached_tokens: int
     tail_replay_tokens: int
+    exact: bool = True  # tail_replay_exact (absent on stock: its hits are exact states)
 
 
 @dataclass
@@ -146,7 +147,7 @@ class _Client:
             return
         self.traffic.record(ids, out["output_ids"])
         self._note(completed=Completed(tuple(ids), max_new, out["output_ids"], meta["cached_tokens"],
-                                       meta.get("tail_replay_tokens", 0)))
+                                       meta.get("tail_replay_tokens", 0), meta.get("tail_replay_exact", True)))
 
     def _abort_by_hanging_up(self, ids, rng) -> None:
         with requests.post(f"{self.url}/generate", json=_body(ids, 64, stream=True), stream=True,
@@ -236,8 +237,10 @@ def pool_leaks(p: dict) -> list[str]:
     return [f"{name}: {p}" for name, ok in checks.items() if not ok]
 
 
-def check_against_no_cache(url: str, completed: list[Completed], limit: int | None = None) -> list[str]:
-    """Serve each distinct completed prompt again right after a flush (so nothing can hit) and compare outputs.
+def check_against_no_cache(url: str, completed: list[Completed], limit: int | None = None,
+                           only_exact: bool = False) -> list[str]:
+    """Serve each distinct completed prompt again right after a flush (so nothing can hit) and compare outputs
+    (`only_exact`: only those served as exact; anchored mode serves the rest through the approximate zero-init tail).
 
     Returns every output that differs. The caller decides what to accept: float32 rounding differs between a hit
     (a short extend on replayed states, decoded in a batch with other requests) and a lone cold prefill, so a
@@ -245,7 +248,8 @@ def check_against_no_cache(url: str, completed: list[Completed], limit: int | No
     mismatches and as a wrong first token."""
     by_prompt: dict[tuple, list[Completed]] = {}
     for c in completed:
-        by_prompt.setdefault((c.prompt, c.max_new), []).append(c)
+        if c.exact or not only_exact:
+            by_prompt.setdefault((c.prompt, c.max_new), []).append(c)
     mismatches = []
     for (prompt, max_new), served in itertools.islice(by_prompt.items(), limit):
         flush_cache(url)
