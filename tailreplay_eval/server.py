@@ -155,9 +155,14 @@ class ServerProcess:
                 return
 
     def _log_tail(self, chars: int = 4000) -> str:
+        """The log's error lines (a multi-process start-up interleaves them anywhere) and its tail."""
         if not self.log_path or not Path(self.log_path).exists():
             return ""
-        return "\n--- server log tail ---\n" + Path(self.log_path).read_text(errors="replace")[-chars:]
+        text = Path(self.log_path).read_text(errors="replace")
+        errors = [line for line in text.splitlines()
+                  if ("Error" in line or "Traceback" in line or "exception" in line) and "Ignore import" not in line]
+        return ("\n--- server log, error lines ---\n" + "\n".join(errors[:30]) +
+                "\n--- server log tail ---\n" + text[-chars:])
 
     def __enter__(self):
         return self.start().wait_healthy()

@@ -1,6 +1,9 @@
-"""Property tests of the Tail-Replay radix cache's bookkeeping in the paper's mode (`--tail-replay-exact-budget 0`:
-no anchor kept or used), without a server or a GPU. Anchored bookkeeping (states kept in the tree, copied on a hit,
-evicted by the mamba LRU) is checked on real servers with SGLang's strict idle check (tests/test_anchored_replay.py).
+"""Property tests of the Tail-Replay radix cache's bookkeeping, without a server or a GPU: in the paper's mode
+(`--tail-replay-exact-budget 0`: no anchor kept or used) and in the anchored mode (states kept in the tree, copied on
+a hit, evicted by the mamba LRU; `AnchoredCacheMachine`, whose fingerprinted states check that every kept state is
+the exact state of its path and that every hit reported exact starts from the state of its anchor's tokens). Both
+run SGLang's no_buffer strategy: extra_buffer's track slots are filled by the model's forward, which this harness
+does not drive (it is covered on real servers: tests/test_production_path.py).
 
 How the cache is built
     As SGLang's kv_cache_builder builds it for a hybrid GDN model, at toy sizes, on CPU, page size 1: a
@@ -95,13 +98,13 @@ def sglang_context():
     return server_args, create_context(server_args, role="scheduler")
 
 
-def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE):
+def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE, mamba_slots: int = MAMBA_SLOTS):
     """(tree cache, req-to-token pool, KV allocator) as the scheduler builds them, through our factory, with its
     own runtime as a scheduler process has."""
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8,
                                     state_size=8, conv_kernel=4, conv_shard_groups=[8, 8, 16])  # GDN: q, k, v
     req_pool = HybridReqToTokenPool(
-        size=REQ_ROWS, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=REQ_ROWS, max_context_len=MAX_CONTEXT,
+        size=REQ_ROWS, mamba_size=mamba_slots, mamba_spec_state_size=REQ_ROWS, max_context_len=MAX_CONTEXT,
         device="cpu", enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=LINEAR_LAYERS),
         mamba_layer_ids=LINEAR_LAYERS, enable_mamba_extra_buffer=False)
     kv_pool = HybridLinearKVPool(
@@ -187,9 +190,11 @@ def tokens_of(req: Req) -> tuple:
 
 
 class TailReplayCacheMachine(RuleBasedStateMachine):
+    mamba_slots = MAMBA_SLOTS
+
     def __init__(self, server_args):
         super().__init__()
-        self.cache, self.req_pool, self.allocator = build_cache(server_args)
+        self.cache, self.req_pool, self.allocator = self.build(server_args)
         self.live: list[Req] = []  # admitted, not finished
         self.prefill_len: dict[str, int] = {}  # rid -> tokens its prefill covers (+ outputs once retracted)
         self.retracted: list[Req] = []  # waiting to be admitted again; they hold nothing
@@ -197,6 +202,31 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.published: list[tuple] = []  # every sequence inserted into the tree since the last flush
         self.evicted_since_flush = False
         self.next_rid = 0
+
+    # ---- what differs between the paper's mode and the anchored one (AnchoredCacheMachine) ----
+
+    def build(self, server_args):
+        return build_cache(server_args)
+
+    def check_admitted(self, req, match) -> None:
+        assert match is not None and (match.matched, match.anchor) == (req.prefix_len, None), \
+            f"hit of {req.prefix_len} not marked"
+
+    def check_slot_after_alloc(self, req) -> None:
+        assert req.kv.holds_mamba and req.kv.mamba_needs_clear, "a hit must start from a fresh, cleared slot"
+        assert req.kv.mamba_cow_src_index is None, "a hit copied a state out of the tree"
+
+    def forward(self, req, match=None) -> None:
+        """The model's part of a forward of `req` (nothing to do in the paper's mode: no state is ever kept)."""
+
+    def check_evicted_states(self, result) -> None:
+        assert result.mamba_num_evicted == 0, "evicted a mamba state from a tree that holds none"
+
+    def check_tree_states(self) -> None:
+        self.check_no_mamba_in_tree()
+
+    def tree_state_slots(self) -> list[int]:
+        return []
 
     # ---- helpers ----
 
@@ -250,6 +280,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         release_kv_cache(req, self.cache, checkpoint=insert)
         if insert:
             self.published.append(owned_tokens)
+        self.check_released(req)
+
+    def check_released(self, req) -> None:
         assert not req.kv.holds_kv and not req.kv.holds_mamba, "a finished request still holds a row or a mamba slot"
 
     # ---- low-level API ----
@@ -286,7 +319,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         evicted = result.num_tokens_evicted
         assert min(num_tokens, evictable) <= evicted <= evictable, (num_tokens, evictable, evicted)
         assert self.allocator.available_size() == available + evicted, "evicted KV not back in the allocator"
-        assert result.mamba_num_evicted == 0, "evicted a mamba state from a tree that holds none"
+        self.check_evicted_states(result)
         self.evicted_since_flush |= evicted > 0
 
     @precondition(lambda self: not self.live)
@@ -298,7 +331,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             self.cache.unlock(lock)
         self.test_locks.clear()
         # Checked before the clears below, which would hide a leak.
-        assert self.req_pool.mamba_allocator.available_size() == MAMBA_SLOTS, "idle, yet mamba slots are held"
+        assert self.req_pool.mamba_allocator.available_size() == self.mamba_slots - len(self.tree_state_slots()), \
+            "idle, yet mamba slots are held"
         assert self.cache.protected_size() == 0
         self.cache.reset()
         self.req_pool.clear()
@@ -329,24 +363,27 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.req_pool.mamba_allocator.alloc_group_end()
         self.check_hit(tokens, req.prefix_len, req.last_node, limit=len(tokens) - 1)
         match = getattr(req, MATCH_ATTR, None)
-        assert match is not None and (match.matched, match.anchor) == (req.prefix_len, None), \
-            f"hit of {req.prefix_len} not marked"
+        self.check_admitted(req, match)
         chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
         req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
         if not self.can_allocate(chunk):
             self.cache.unlock(req.lock)  # not admitted: the scheduler leaves it waiting
             req.lock = None
+            if req.kv.holds_mamba:  # Scheduler: a slot the match took for a request not added is freed
+                self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                req.kv.mamba_pool_idx = None
+            req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, False
             if req.is_retracted:
                 self.retracted.append(req)
             return
         req.extend_end = req.prefix_len + chunk
         prefix = self.cache.prefix_device_indices(req)  # alloc_for_extend reads the prefix before allocating
         alloc_req_slots(self.req_pool, [req], self.cache)
-        assert req.kv.holds_mamba and req.kv.mamba_needs_clear, "a hit must start from a fresh, cleared slot"
-        assert req.kv.mamba_cow_src_index is None, "a hit copied a state out of the tree"
+        self.check_slot_after_alloc(req)
         self.req_pool.write((req.kv.req_pool_idx, slice(0, req.prefix_len)), prefix)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = req.prefix_len
         self.extend_row(req, chunk)
+        self.forward(req, match)
         self.live.append(req)
         self.prefill_len[req.rid] = len(tokens)
         self.end_extend(req, data.draw(st.integers(0, VOCAB - 1)))
@@ -363,6 +400,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
                 return
             req.init_next_round_input()  # a continuing chunk refreshes its fill ids; no re-match
             self.extend_row(req, chunk)
+            self.forward(req)
             req.extend_end += chunk
             self.end_extend(req, data.draw(st.integers(0, VOCAB - 1)))
             return
@@ -370,6 +408,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             if len(req.output_ids) >= MAX_OUTPUT or not self.can_allocate(1):
                 break
             self.extend_row(req, 1)  # the KV of the last sampled token
+            self.forward(req)
             req.output_ids.append(data.draw(st.integers(0, VOCAB - 1)))
 
     @precondition(lambda self: self.live)
@@ -406,7 +445,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def bookkeeping_balances(self):
         self.check_kv_partition()
         self.check_locks_and_sizes()
-        self.check_no_mamba_in_tree()
+        self.check_tree_states()
         self.check_mamba_slots()
         self.check_tree_against_reference()
         self.cache.sanity_check()  # SGLang's own: leaf sets, LRUs, size ledgers
@@ -455,8 +494,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def check_mamba_slots(self):
         assert all(req.kv.holds_mamba for req in self.live), "a live request lost its mamba slot"
         held = [int(req.kv.mamba_pool_idx) for req in self.live]
-        counts = Counter(self.req_pool.mamba_allocator.free_slots.tolist() + held)
-        assert counts == Counter(range(1, MAMBA_SLOTS + 1)), f"mamba slots: free + live != pool: {counts}"
+        counts = Counter(self.req_pool.mamba_allocator.free_slots.tolist() + held + self.tree_state_slots())
+        assert counts == Counter(range(1, self.mamba_slots + 1)), f"mamba slots: free + live + tree != pool: {counts}"
         assert self.req_pool.available_size() == REQ_ROWS - len(self.live), "request rows leaked"
 
     def check_tree_against_reference(self):
@@ -482,17 +521,101 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         assert self.cache.evictable_size() == self.cache.protected_size() == 0
         assert self.allocator.available_size() == KV_SLOTS, "KV slots leaked"
         assert self.req_pool.available_size() == REQ_ROWS, "request rows leaked"
-        assert self.req_pool.mamba_allocator.available_size() == MAMBA_SLOTS, "mamba slots leaked"
+        assert self.req_pool.mamba_allocator.available_size() == self.mamba_slots, "mamba slots leaked"
 
 
-def run_machine(sglang_context, machine_settings) -> None:
+# ---- the anchored default mode: states kept in the tree, copied on a hit, evicted by the mamba LRU ----
+
+# Scaled to these sequences (up to 16 tokens): exact within 3 tokens of an anchor, else a 2-token zero-init tail.
+ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0, min_tokens=2, max_tokens=2)
+TAINT = -1.0  # the fingerprint of an approximate state (a zero-init tail)
+
+
+class AnchoredCacheMachine(TailReplayCacheMachine):
+    """The same operations in the anchored mode, with the test standing in for the model: every mamba slot's SSM
+    state carries a fingerprint, the id of the token sequence it is the exact state of (TAINT for the zero-init
+    tail's approximate state). A forward of a request first does what SGLang and the replay do (a slot marked for
+    clearing is zeroed: the state of no tokens), then checks the replay's start: a hit reported exact must start
+    from the exact state of its anchor's tokens. It leaves the state of everything the request has KV for, or
+    TAINT. Invariants: every state in the tree is the exact state of its node's path (never TAINT, never another
+    path's), and free, live and tree-held slots partition the mamba pool."""
+
+    mamba_slots = 8  # 3 live requests and their anchors
+
+    def __init__(self, server_args):
+        super().__init__(server_args)
+        self.sequence_ids: dict[tuple, float] = {}
+
+    def build(self, server_args):
+        return build_cache(server_args, ANCHORED_MODE, self.mamba_slots)
+
+    def fingerprint_of(self, tokens) -> float:
+        return self.sequence_ids.setdefault(tuple(tokens), float(len(self.sequence_ids)))
+
+    def state(self, slot) -> float:
+        return float(self.req_pool.mamba_pool.mamba_cache.temporal[0, int(slot)].view(-1)[0])
+
+    def set_state(self, slot, value: float) -> None:
+        self.req_pool.mamba_pool.mamba_cache.temporal[:, int(slot)] = value
+
+    def check_admitted(self, req, match) -> None:
+        m = req.prefix_len
+        assert match is not None and match.matched == m, f"hit of {m} not marked"
+        if match.anchor is not None:  # an anchor (or the root's zero state) within the budget
+            assert match.exact and m - match.anchor <= ANCHORED_MODE.budget(m), "anchored hit past the budget"
+        else:  # the zero-init tail: exact only where it covers the whole prefix
+            assert match.exact == ANCHORED_MODE.is_exact_fallback(m), "zero-init tail labelled wrongly"
+
+    def check_slot_after_alloc(self, req) -> None:
+        assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is None, "a hit's slot is not its own"
+
+    def forward(self, req, match=None) -> None:
+        slot = req.kv.mamba_pool_idx
+        if req.kv.mamba_needs_clear:  # SGLang zeroes the slot on the forward stream
+            self.set_state(slot, self.fingerprint_of(()))
+            req.kv.mamba_needs_clear = False
+        if match is not None and match.exact:  # the replay starts from the anchor's state, or from zero
+            start = tokens_of(req)[:match.anchor or 0]
+            assert self.state(slot) == self.fingerprint_of(start), \
+                f"{req.rid}: reported exact, but its slot is not the state of its first {len(start)} tokens"
+        exact = getattr(req, "tail_replay_exact", True)
+        self.set_state(slot, self.fingerprint_of(tokens_of(req)[:req.kv.kv_committed_len]) if exact else TAINT)
+
+    def check_evicted_states(self, result) -> None:
+        pass  # anchors go to the mamba LRU; their KV stays (checked by the partitions)
+
+    def check_released(self, req) -> None:
+        # A finished request donates its slot to the tree node at its end; SGLang leaves the index on the request.
+        assert not req.kv.holds_kv, "a finished request still holds a row"
+        assert not req.kv.holds_mamba or int(req.kv.mamba_pool_idx) in self.tree_state_slots(), \
+            "a finished request still holds a mamba slot the tree does not own"
+
+    def tree_state_slots(self) -> list[int]:
+        return [int(node.component_data[MAMBA].value[0]) for node in tree_nodes(self.cache)
+                if node.component_data[MAMBA].value is not None]
+
+    def check_tree_states(self) -> None:
+        for node in tree_nodes(self.cache):
+            value = node.component_data[MAMBA].value
+            if value is not None:
+                state = self.state(value[0])
+                assert state != TAINT, f"node {node.id} keeps an approximate state"
+                assert state == self.fingerprint_of(path_tokens(node)), \
+                    f"node {node.id} keeps a state that is not the exact state of its path"
+
+
+def run_machine(sglang_context, machine_settings, machine=TailReplayCacheMachine) -> None:
     server_args, context = sglang_context
     with use_context(context):
-        run_state_machine_as_test(lambda: TailReplayCacheMachine(server_args), settings=machine_settings)
+        run_state_machine_as_test(lambda: machine(server_args), settings=machine_settings)
 
 
 def test_cache_bookkeeping_holds_under_random_operations(sglang_context):
     run_machine(sglang_context, SETTINGS)
+
+
+def test_anchored_states_are_exact_for_their_path_and_exact_claims_start_from_them(sglang_context):
+    run_machine(sglang_context, SETTINGS, AnchoredCacheMachine)
 
 
 # ---- the properties catch broken bookkeeping in the component ----
@@ -533,11 +656,39 @@ BROKEN_COMPONENTS = {
 }
 
 
-@pytest.mark.parametrize("broken", list(BROKEN_COMPONENTS))
+ORIGINAL_DEEPEST_ANCHOR = TailReplayMambaComponent.deepest_anchor
+
+
+def anchor_one_token_too_deep(self, node, depth: int):
+    anchor, found = ORIGINAL_DEEPEST_ANCHOR(self, node, depth)
+    return anchor, found + 1 if anchor is not None else found
+
+
+def store_every_state(self, req, insert_params, token_ids_len, is_finished):
+    return MambaComponent.prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished)
+
+
+def store_nothing_clean_up_like_stock(self, req, is_finished, insert_result=None, insert_params=None):
+    return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+
+
+BROKEN_ANCHORED = {
+    "a hit replays from the wrong depth": ({"deepest_anchor": anchor_one_token_too_deep}, "reported exact"),
+    "approximate states become anchors": (
+        {"prepare_for_caching_req": store_every_state, "cleanup_after_caching_req": store_nothing_clean_up_like_stock},
+        "approximate state"),
+}
+
+
+BROKEN = {**{name: (*case, TailReplayCacheMachine, 20) for name, case in BROKEN_COMPONENTS.items()},
+          **{name: (*case, AnchoredCacheMachine, 40) for name, case in BROKEN_ANCHORED.items()}}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
 def test_properties_catch_broken_component_bookkeeping(sglang_context, monkeypatch, broken):
-    overrides, expected_failure = BROKEN_COMPONENTS[broken]
+    overrides, expected_failure, machine, examples = BROKEN[broken]
     for name, method in overrides.items():
         monkeypatch.setattr(TailReplayMambaComponent, name, method)
-    quick = settings(SETTINGS, max_examples=20, phases=[Phase.generate], report_multiple_bugs=False)
+    quick = settings(SETTINGS, max_examples=examples, phases=[Phase.generate], report_multiple_bugs=False)
     with pytest.raises(AssertionError, match=expected_failure):
-        run_machine(sglang_context, quick)
+        run_machine(sglang_context, quick, machine)
