@@ -17,14 +17,12 @@ from pathlib import Path
 import requests
 
 # What serves a hybrid GDN model on a CPU without sgl-kernel's CPU build (docs/cpu.md explains each flag).
-CPU_FLAGS = (
+BASE_FLAGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
     "--skip-server-warmup",
     "--mem-fraction-static", "0.1",
-    "--mamba-radix-cache-strategy", "no_buffer",
-    "--disable-overlap-schedule",
     "--max-mamba-cache-size", "64",
     # An idle scheduler busy-polls its sockets and keeps a whole core busy; with this it blocks in zmq poll and a
     # new request wakes it at once. On two cores an idle test or benchmark server would slow down everything else.
@@ -33,7 +31,7 @@ CPU_FLAGS = (
 # What every server here runs unless it asks for SGLang's GPU default (`ServerProcess(gpu_scheduling=True)`: no
 # strategy flag, so SGLang resolves `auto` to extra_buffer with the overlap scheduler, as on a GPU; docs/cpu.md).
 NO_BUFFER_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule")
-BASE_FLAGS = tuple(f for f in CPU_FLAGS if f not in NO_BUFFER_FLAGS)
+CPU_FLAGS = BASE_FLAGS + NO_BUFFER_FLAGS
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 

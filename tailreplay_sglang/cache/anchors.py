@@ -23,8 +23,9 @@ import logging
 
 import torch
 
+from tailreplay_sglang.config import GDN_CHUNK  # the chunk of `h`: fla's chunk kernels and ops/gdn.CHUNK_SIZE
+
 logger = logging.getLogger(__name__)
-GDN_CHUNK = 64  # the chunk of `h`: fla's chunk kernels and ops/gdn.CHUNK_SIZE
 
 ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken in its last prefill forward
 

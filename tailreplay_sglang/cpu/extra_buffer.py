@@ -22,23 +22,10 @@ it on a CPU without AMX:
 
 from tailreplay_sglang.config import default_mamba_conv_dtype
 
-DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
-
 
 def platform_supports_extra_buffer() -> bool:
     """REPLACE of SGLang's platform check: the CPU engine's ops provide what the strategy reads."""
     return True
-
-
-def extra_buffer_on() -> bool:
-    """Whether this scheduler runs the extra_buffer strategy (SGLang's resolved configuration: `auto` resolves to it
-    with the overlap scheduler or a page size above 1)."""
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        return bool(get_exec().mamba.enable_mamba_extra_buffer)
-    except Exception:  # no scheduler context (unit tests, the launcher)
-        return False
 
 
 def pin_memory_is_identity() -> None:
@@ -58,8 +45,10 @@ def pin_memory_is_identity() -> None:
 def conv_dtype_follows_model(runner, *args, **kwargs):
     """BEFORE `ModelRunner.alloc_memory_pool`: under extra_buffer, unless `SGLANG_MAMBA_CONV_DTYPE` is set, the conv
     pool takes the model's dtype (SGLang reads the variable when it builds the pool, just after this)."""
-    if extra_buffer_on():
-        default_mamba_conv_dtype(DTYPE_NAMES[str(runner.model_config.dtype)])
+    from sglang.srt.runtime_context import get_exec
+
+    if get_exec().mamba.enable_mamba_extra_buffer:  # SGLang's resolved strategy (`auto` is resolved by now)
+        default_mamba_conv_dtype(str(runner.model_config.dtype).removeprefix("torch."))
 
 
 def track_states(conv_states, ssm_states, cache_indices, mamba_track_mask, mamba_track_indices, batch_size: int,
