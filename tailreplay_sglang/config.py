@@ -44,6 +44,9 @@ class TailReplayConfig:
     # the worst case (511 tokens) stays within 1.3x of it at 8K; 1024 would not (docs/results.md, section 1).
     anchor_interval: int = 512
     exact_budget: int | None = None
+    # Host-memory anchors: a state the device mamba pool evicts moves to a host pool of this many states (0: off)
+    # and a hit can start from it (cache/host_anchors.py).
+    host_anchors: int = 0
 
     def __post_init__(self):
         self._check_types()
@@ -70,6 +73,11 @@ class TailReplayConfig:
                                         f"{GDN_CHUNK} (the GDN chunk), got {self.anchor_interval}")
         if self.exact_budget is not None and self.exact_budget < 0:
             raise TailReplayConfigError(f"--tail-replay-exact-budget must be >= 0, got {self.exact_budget}")
+        if self.host_anchors < 0:
+            raise TailReplayConfigError(f"--tail-replay-host-anchors must be >= 0, got {self.host_anchors}")
+        if self.host_anchors and not self.anchored:
+            raise TailReplayConfigError("--tail-replay-host-anchors needs anchored replay: drop "
+                                        "--tail-replay-exact-budget 0, or set --tail-replay-host-anchors 0")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
 
@@ -78,7 +86,7 @@ class TailReplayConfig:
         number, integer, text, none = (int, float), (int,), (str,), (type(None),)
         expected = {"ratio": number, "min_tokens": integer, "max_tokens": integer + none, "hidden_dtype": text,
                     "mode": text, "hidden_tier": text + none, "h2d": text, "anchor_interval": integer,
-                    "exact_budget": integer + none}
+                    "exact_budget": integer + none, "host_anchors": integer}
         for name, kinds in expected.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):

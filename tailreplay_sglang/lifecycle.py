@@ -21,6 +21,7 @@ import torch
 
 from tailreplay_sglang import capture, hooks, replay, supported, visibility
 from tailreplay_sglang.cache.component import MATCH_ATTR, create_tail_replay_cache, is_exact
+from tailreplay_sglang.cache.host_anchors import HostAnchors
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
 from tailreplay_sglang.store.hidden_store import HiddenStore, bytes_per_token
@@ -52,6 +53,10 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     runtime.forward_stream = getattr(runner, "forward_stream", None)
     capture.install(runner.model.model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner, layout)
+    if runtime.config.host_anchors:
+        runtime.host_anchors = HostAnchors(runner.req_to_token_pool.mamba_pool, runtime.config.host_anchors)
+        logger.info("Tail-Replay host anchors: %d states in host memory, %.1f MiB", runtime.config.host_anchors,
+                    runtime.host_anchors.nbytes / 2**20)
     from sglang.srt.runtime_context import get_observability
 
     if get_observability().enable_metrics:

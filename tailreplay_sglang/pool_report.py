@@ -16,7 +16,7 @@ def count_evicted_tokens(runtime, result, cache, *args, **kwargs):
 
 
 def pool_report(scheduler, runtime) -> dict:
-    store, pending = runtime.store, runtime.pending
+    store, pending, host = runtime.store, runtime.pending, runtime.host_anchors
     kv = scheduler.token_to_kv_pool_allocator
     rows = scheduler.req_to_token_pool
     tree = scheduler.tree_cache
@@ -38,6 +38,13 @@ def pool_report(scheduler, runtime) -> dict:
         "pending_replays": len(pending),
         "evicted_tokens": runtime.evicted_tokens,
         "evicted_anchors": runtime.evicted_anchors,
+        "host_anchors_total": 0 if host is None else host.capacity,
+        "host_anchors_used": 0 if host is None else len(host),
+        "host_anchor_bytes": 0 if host is None else host.nbytes,
+        "host_anchors_saved": 0 if host is None else host.saved,  # device anchors moved to the host pool
+        "host_anchors_dropped": 0 if host is None else host.dropped,  # host states dropped by the host LRU
+        "host_anchor_hits": runtime.host_anchor_hits,
+        "host_anchor_copy_ms": 0.0 if host is None else round(host.copy_seconds * 1e3, 3),
         "waiting_reqs": len(scheduler.waiting_queue),
         "running_reqs": len(scheduler.running_batch.reqs),
     }

@@ -10,9 +10,10 @@ What it holds, and who fills it:
   `prepare_for_extend` hook, taken by the replay hook;
 - `interval_anchors`: the anchor planner, whose plan the prefill hooks fill (None without interval anchors);
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
+- `host_anchors`: the host pool of evicted anchors (`cache.host_anchors`), created with the store, or None;
 - `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
-- `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
+- `evicted_anchors` / `evicted_tokens` / `host_anchor_hits`: counters the pool report serves in `/server_info`.
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from tailreplay_sglang.cache.pending import PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 
 if TYPE_CHECKING:
+    from tailreplay_sglang.cache.host_anchors import HostAnchors
     from tailreplay_sglang.store.hidden_store import HiddenStore
     from tailreplay_sglang.visibility import ReplayMetrics
 
@@ -33,10 +35,12 @@ class TailReplayRuntime:
     pending: PendingReplays = field(default_factory=PendingReplays)
     interval_anchors: IntervalAnchors | None = None
     store: "HiddenStore | None" = None
+    host_anchors: "HostAnchors | None" = None
     forward_stream: object = None
     metrics: "ReplayMetrics | None" = None
     evicted_anchors: int = 0  # recurrent states the tree's mamba LRU has dropped since start-up
     evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up
+    host_anchor_hits: int = 0  # hits that started from a state copied back from the host pool
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
@@ -48,6 +52,11 @@ class TailReplayRuntime:
         self.evicted_anchors += 1
         if self.metrics is not None:
             self.metrics.evicted_anchors.inc()
+
+    def count_host_anchor_hit(self) -> None:
+        self.host_anchor_hits += 1
+        if self.metrics is not None:
+            self.metrics.host_anchor_hits.inc()
 
     def count_evicted_tokens(self, tokens: int) -> None:
         self.evicted_tokens += tokens

@@ -61,6 +61,8 @@ class ReplayMetrics:
                                         "Hits served by the zero-init tail (no anchor within the exact budget).")
         self.evicted_anchors = Counter("sglang:tail_replay_evicted_anchors_total",
                                        "Recurrent states (anchors) dropped by the tree's mamba LRU.")
+        self.host_anchor_hits = Counter("sglang:tail_replay_host_anchor_hits_total",
+                                        "Hits that started from an anchor copied back from host memory.")
 
     def observe_hit(self, exact: bool) -> None:
         (self.exact_hits if exact else self.approximate_hits).inc()

@@ -233,6 +233,7 @@ def pool_leaks(p: dict) -> list[str]:
         "no replay left pending": p["pending_replays"] == 0,
         "no hidden write-back left pending": p["pending_write_backs"] == 0,
         "the hidden store covers every KV slot": p["hidden_store_slots"] > p["kv_total"],
+        "the host anchor pool holds at most its size": p["host_anchors_used"] <= p["host_anchors_total"],
     }
     return [f"{name}: {p}" for name, ok in checks.items() if not ok]
 

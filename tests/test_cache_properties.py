@@ -68,7 +68,9 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
-from tailreplay_sglang.cache.component import MATCH_ATTR, TailReplayMambaComponent, create_tail_replay_cache
+from tailreplay_sglang.cache.component import (MATCH_ATTR, TAINT_ATTR, TailReplayMambaComponent,
+                                               create_tail_replay_cache, is_exact)
+from tailreplay_sglang.cache.host_anchors import HostAnchors
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.cache.pending import Match
 from tailreplay_sglang.runtime import TailReplayRuntime
@@ -119,7 +121,10 @@ def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE, mamba_slots
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
         tp_size=1, tp_rank=0, tp_group=None)
-    return create_tail_replay_cache(TailReplayRuntime(config), ctx), req_pool, allocator
+    runtime = TailReplayRuntime(config)
+    if config.host_anchors:  # as lifecycle.create_store makes it, once the pools exist
+        runtime.host_anchors = HostAnchors(req_pool.mamba_pool, config.host_anchors)
+    return create_tail_replay_cache(runtime, ctx), req_pool, allocator
 
 
 # ---- reading the tree (custom components select SGLang's Python TreeCore, whose nodes are plain objects) ----
@@ -202,6 +207,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.published: list[tuple] = []  # every sequence inserted into the tree since the last flush
         self.evicted_since_flush = False
         self.next_rid = 0
+        self.written_now: list[int] = []
 
     # ---- what differs between the paper's mode and the anchored one (AnchoredCacheMachine) ----
 
@@ -242,8 +248,10 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def extend_row(self, req: Req, num_tokens: int) -> None:
         """Allocate KV for the next `num_tokens` positions of the request and commit them (the forward ran)."""
         start = req.kv.kv_committed_len
-        self.req_pool.write((req.kv.req_pool_idx, slice(start, start + num_tokens)), self.allocate(num_tokens))
+        slots = self.allocate(num_tokens)
+        self.req_pool.write((req.kv.req_pool_idx, slice(start, start + num_tokens)), slots)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = start + num_tokens
+        self.written_now = slots.tolist()  # the KV the next forward computes
 
     def end_extend(self, req: Req, sampled: int) -> None:
         """After a prefill chunk's forward: sample once the prefill is done, then checkpoint, as the scheduler does."""
@@ -537,14 +545,17 @@ class AnchoredCacheMachine(TailReplayCacheMachine):
     tail's approximate state). A forward of a request first does what SGLang and the replay do (a slot marked for
     clearing is zeroed: the state of no tokens), then checks the replay's start: a hit reported exact must start
     from the exact state of its anchor's tokens. It leaves the state of everything the request has KV for, or
-    TAINT. Invariants: every state in the tree is the exact state of its node's path (never TAINT, never another
-    path's), and free, live and tree-held slots partition the mamba pool."""
+    TAINT. The KV is tracked too: the slots an approximate request's forwards wrote are approximate until freed, and
+    a request labelled exact must never read one (a hit through them, or its own row re-pointed at them when SGLang
+    de-duplicates its insert). Invariants: every state in the tree is the exact state of its node's path (never
+    TAINT, never another path's), and free, live and tree-held slots partition the mamba pool."""
 
     mamba_slots = 8  # 3 live requests and their anchors
 
     def __init__(self, server_args):
         super().__init__(server_args)
         self.sequence_ids: dict[tuple, float] = {}
+        self.approximate_kv: set[int] = set()  # KV slots an approximate request computed, until freed
 
     def build(self, server_args):
         return build_cache(server_args, ANCHORED_MODE, self.mamba_slots)
@@ -578,7 +589,14 @@ class AnchoredCacheMachine(TailReplayCacheMachine):
             start = tokens_of(req)[:match.anchor or 0]
             assert self.state(slot) == self.fingerprint_of(start), \
                 f"{req.rid}: reported exact, but its slot is not the state of its first {len(start)} tokens"
-        exact = getattr(req, "tail_replay_exact", True)
+        exact = is_exact(req)
+        self.approximate_kv.difference_update(self.written_now)  # freshly allocated: written now
+        if exact:
+            read = set(self.req_pool.req_to_token[req.kv.req_pool_idx, :req.kv.kv_committed_len].tolist())
+            assert not read & self.approximate_kv, \
+                f"{req.rid}: labelled exact, but reads KV an approximate request computed"
+        else:
+            self.approximate_kv.update(self.written_now)
         self.set_state(slot, self.fingerprint_of(tokens_of(req)[:req.kv.kv_committed_len]) if exact else TAINT)
 
     def check_evicted_states(self, result) -> None:
@@ -604,6 +622,46 @@ class AnchoredCacheMachine(TailReplayCacheMachine):
                     f"node {node.id} keeps a state that is not the exact state of its path"
 
 
+HOST_ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0, min_tokens=2, max_tokens=2,
+                                      host_anchors=2)
+
+
+class HostAnchoredCacheMachine(AnchoredCacheMachine):
+    """The anchored mode with host anchors: anchors the 8-slot device pool evicts move to a 2-state host pool (so it
+    drops states too) and hits copy them back. Also checked: every host state
+    is the exact state of its node's path and its node is still in the tree, and host slots are free or held, never
+    both. `restored` counts host hits over every run, so the test knows the path ran."""
+
+    restored = 0
+
+    def build(self, server_args):
+        return build_cache(server_args, HOST_ANCHORED_MODE, self.mamba_slots)
+
+    @property
+    def host(self) -> HostAnchors:
+        return next(c for c in self.cache._components_tuple if isinstance(c, TailReplayMambaComponent)) \
+            .runtime.host_anchors
+
+    def check_tree_states(self) -> None:
+        super().check_tree_states()
+        host = self.host
+        host.follow_tree(self.cache.root_node)
+        live = set(tree_nodes(self.cache))
+        held = list(host._slots.values())
+        assert sorted(held + host._free) == list(range(host.capacity)), "host slots lost or held twice"
+        for node, slot in host._slots.items():
+            assert node in live, f"the host pool keeps the state of deleted node {node.id}"
+            assert float(host.temporal[0, slot].view(-1)[0]) == self.fingerprint_of(path_tokens(node)), \
+                f"node {node.id}: its host state is not the exact state of its path"
+
+    def teardown(self):
+        if sys.exc_info()[0] is None:
+            HostAnchoredCacheMachine.restored += self.host.restored
+        super().teardown()
+        if sys.exc_info()[0] is None:
+            assert len(self.host) == 0, "host states outlived their nodes"
+
+
 def run_machine(sglang_context, machine_settings, machine=TailReplayCacheMachine) -> None:
     server_args, context = sglang_context
     with use_context(context):
@@ -616,6 +674,45 @@ def test_cache_bookkeeping_holds_under_random_operations(sglang_context):
 
 def test_anchored_states_are_exact_for_their_path_and_exact_claims_start_from_them(sglang_context):
     run_machine(sglang_context, SETTINGS, AnchoredCacheMachine)
+
+
+def test_host_anchors_are_exact_for_their_path_and_hits_restore_them(sglang_context):
+    HostAnchoredCacheMachine.restored = 0
+    run_machine(sglang_context, SETTINGS, HostAnchoredCacheMachine)
+    assert HostAnchoredCacheMachine.restored > 0, "no hit started from a host anchor: the path was not exercised"
+
+
+# ---- KV an approximate request computed (the race the machines rarely reach, spelled out) ----
+
+def test_a_hit_through_kv_an_approximate_request_inserted_is_not_exact(sglang_context):
+    """The race of a client retry with its original: an approximate request inserts the tokens it computed, an exact
+    one computing the same tokens is de-duplicated onto them and leaves its (exact) state below. A hit within the
+    budget of that state reads the approximate KV and hiddens: it must not be reported exact. Without the taint the
+    same hit is exact (the control)."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        for approximate in (False, True):
+            cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+            params = InsertParams(key=RadixKey(array("q", prompt[:6])), value=allocator.alloc(6))
+            setattr(params, TAINT_ATTR, approximate)  # what prepare_for_caching_req sets for such a request
+            cache.insert(params)
+
+            def path_kv(length):
+                end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:length])))).last_device_node
+                return cache.path_device_indices(end)
+
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt)), prev_prefix_len=6,
+                                      value=torch.cat([path_kv(6), allocator.alloc(4)])))
+            state = req_pool.mamba_allocator.alloc(1)  # the exact request's state at depth 8, on the same KV
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt[:8])), value=path_kv(8), mamba_value=state,
+                                      prev_prefix_len=8, inserted_len=8))
+            req = new_request(1, prompt + (2,))
+            req.init_next_round_input(cache)
+            match = getattr(req, MATCH_ATTR)
+            assert (match.matched, match.anchor) == (10, 8)  # within the budget of the state at depth 8
+            assert match.exact is not approximate, "a hit reading an approximate request's KV reported exact"
+            req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
 
 
 # ---- the properties catch broken bookkeeping in the component ----
@@ -659,8 +756,8 @@ BROKEN_COMPONENTS = {
 ORIGINAL_DEEPEST_ANCHOR = TailReplayMambaComponent.deepest_anchor
 
 
-def anchor_one_token_too_deep(self, node, depth: int):
-    anchor, found = ORIGINAL_DEEPEST_ANCHOR(self, node, depth)
+def anchor_one_token_too_deep(self, node, depth: int, on_host: bool = True):
+    anchor, found = ORIGINAL_DEEPEST_ANCHOR(self, node, depth, on_host)
     return anchor, found + 1 if anchor is not None else found
 
 
@@ -672,23 +769,37 @@ def store_nothing_clean_up_like_stock(self, req, is_finished, insert_result=None
     return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
 
 
+def restore_nothing(self, node, mamba_pool, device_slot):
+    self._slots.move_to_end(node)
+
+
+def keep_deleted_nodes(self, node):
+    MambaComponent.discard_deleted_session_leaf(self, node)
+
+
 BROKEN_ANCHORED = {
     "a hit replays from the wrong depth": ({"deepest_anchor": anchor_one_token_too_deep}, "reported exact"),
     "approximate states become anchors": (
         {"prepare_for_caching_req": store_every_state, "cleanup_after_caching_req": store_nothing_clean_up_like_stock},
         "approximate state"),
 }
+BROKEN_HOST = {
+    "a host anchor is not copied back": ({(HostAnchors, "restore"): restore_nothing}, "reported exact"),
+    "host states outlive their nodes": ({"discard_deleted_session_leaf": keep_deleted_nodes}, "deleted node"),
+}
 
 
 BROKEN = {**{name: (*case, TailReplayCacheMachine, 20) for name, case in BROKEN_COMPONENTS.items()},
-          **{name: (*case, AnchoredCacheMachine, 40) for name, case in BROKEN_ANCHORED.items()}}
+          **{name: (*case, AnchoredCacheMachine, 200) for name, case in BROKEN_ANCHORED.items()},
+          **{name: (*case, HostAnchoredCacheMachine, 200) for name, case in BROKEN_HOST.items()}}
 
 
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_properties_catch_broken_component_bookkeeping(sglang_context, monkeypatch, broken):
     overrides, expected_failure, machine, examples = BROKEN[broken]
     for name, method in overrides.items():
-        monkeypatch.setattr(TailReplayMambaComponent, name, method)
+        owner, name = name if isinstance(name, tuple) else (TailReplayMambaComponent, name)
+        monkeypatch.setattr(owner, name, method)
     quick = settings(SETTINGS, max_examples=examples, phases=[Phase.generate], report_multiple_bugs=False)
     with pytest.raises(AssertionError, match=expected_failure):
         run_machine(sglang_context, quick, machine)

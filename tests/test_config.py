@@ -46,6 +46,9 @@ def test_env_round_trip(monkeypatch):
     ({"anchor_interval": 100}, "--tail-replay-anchor-interval"),  # not a multiple of the 64-token GDN chunk
     ({"anchor_interval": -64}, "--tail-replay-anchor-interval"),
     ({"exact_budget": -1}, "--tail-replay-exact-budget"),
+    ({"host_anchors": -1}, "--tail-replay-host-anchors"),
+    ({"host_anchors": 8, "exact_budget": 0}, "--tail-replay-host-anchors"),  # host anchors without anchors
+    ({"host_anchors": 1.5}, "--tail-replay-host-anchors"),
 ])
 def test_invalid_anchor_values_name_the_flag(kwargs, flag):
     with pytest.raises(TailReplayConfigError, match=flag):

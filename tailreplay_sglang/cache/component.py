@@ -9,8 +9,15 @@ the matched path that holds a state, the anchor at depth c:
 - otherwise (or with no anchor) a fresh, cleared slot and the paper's zero-init tail (approximate).
 Requests whose state is exact donate it to the tree as stock no_buffer does (where they end, where each prefill
 chunk ends); interval anchors are added by `cache/anchors.py`. An approximate state is never stored. States are
-evicted by SGLang's mamba LRU; evicting one keeps the node's KV, which still hits through the zero-init tail. With an
-exact budget of 0 no node ever holds a state: the paper's pure mode.
+evicted by SGLang's mamba LRU; evicting one keeps the node's KV, which still hits through the zero-init tail, and
+with `--tail-replay-host-anchors` moves the state to host memory, from where a hit copies it back
+(`cache/host_anchors.py`). With an exact budget of 0 no node ever holds a state: the paper's pure mode.
+
+Exactness is tracked on the KV too: the tokens an approximate request inserts past its match were computed from an
+approximate state, so the node created for them is tainted (`TAINT_ATTR`, kept by both halves of a split). A hit
+whose path has a tainted node is approximate whatever its anchor, and so is a request whose row SGLang re-pointed
+at tainted nodes when it de-duplicated the request's insert (a retry racing its original): from then on its own
+states are not exact, and it donates none.
 """
 
 import contextlib
@@ -35,10 +42,23 @@ MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be 
 EXACT_ATTR = "tail_replay_exact"
 # On InsertParams under extra_buffer: (depth, slot) of an exact request's track-point state, inserted after its KV.
 STATE_DEPTH_ATTR = "tail_replay_state_at"
+# True on a tree node whose KV (and hiddens) an approximate request computed; on InsertParams, from such a request.
+TAINT_ATTR = "tail_replay_tainted"
 
 
 def is_exact(req) -> bool:
-    return getattr(req, EXACT_ATTR, True)
+    """Whether the request's state is exact. A request that never passed our match (one that brings its own state:
+    a PD-decode transfer, a session continuation) is not known to be exact, so it donates no anchor."""
+    return getattr(req, EXACT_ATTR, False)
+
+
+def is_tainted(node) -> bool:
+    """Whether any node on the path from the root to `node` holds KV an approximate request computed."""
+    while node is not None:
+        if getattr(node, TAINT_ATTR, False):
+            return True
+        node = node.parent
+    return False
 
 
 class TailReplayMambaComponent(MambaComponent):
@@ -57,18 +77,20 @@ class TailReplayMambaComponent(MambaComponent):
     def refresh_lru(self, phase, node, root_node):
         # Stock refreshes the match end's state; ours is the anchor above it (or none), so used anchors stay warm.
         if phase == LRURefreshPhase.MATCH_END:
-            anchor, _ = self.deepest_anchor(node, 0)
+            anchor, _ = self.deepest_anchor(node, 0, on_host=False)
             if anchor is not None:
                 self.tree_core.lru_lists[self.component_type].reset_node_mru(anchor)
 
-    def deepest_anchor(self, node, depth: int):
-        """(node, depth) of the deepest node holding a device state on the path ending at `node` (at `depth`),
-        or (None, 0). No anchor is ever used with an exact budget of 0."""
+    def deepest_anchor(self, node, depth: int, on_host: bool = True):
+        """(node, depth) of the deepest node holding a state on the path ending at `node` (at `depth`), in the
+        device pool or (`on_host`) the host pool, or (None, 0). No anchor is ever used with an exact budget of 0."""
         if not self.runtime.config.anchored:
             return None, 0
-        ct = self.component_type
+        ct, host = self.component_type, self.runtime.host_anchors if on_host else None
+        if host is not None:
+            host.follow_tree(self.tree_core.root_node)
         while node is not None and node is not self.tree_core.root_node:
-            if node.component_data[ct].value is not None:
+            if node.component_data[ct].value is not None or (host is not None and node in host):
                 return node, depth
             depth -= len(node.key)
             node = node.parent
@@ -82,13 +104,15 @@ class TailReplayMambaComponent(MambaComponent):
         config, m = self.runtime.config, result.device_prefix_len
         # With no state on the path, the root's zero state is the anchor: replaying [0, m) from a cleared slot is
         # exact too, and within the budget it is the cheapest exact start there is.
-        anchor, c = self.deepest_anchor(self.tree_core.node_by_id(result.best_match_node), m)
+        end = self.tree_core.node_by_id(result.best_match_node)
+        anchor, c = self.deepest_anchor(end, m)
+        clean = not is_tainted(end)  # else the KV and hiddens the hit reuses are approximate, whatever its state
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
                 self._copy_state_into_new_slot(req, anchor)
-            match = Match(m, c, exact=True)
+            match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
-            match = Match(m, None, exact=config.is_exact_fallback(m))
+            match = Match(m, None, exact=clean and config.is_exact_fallback(m))
         setattr(req, MATCH_ATTR, match)
         setattr(req, EXACT_ATTR, match.exact)  # what later checkpoints of the request read; also in meta_info
         return result
@@ -98,17 +122,27 @@ class TailReplayMambaComponent(MambaComponent):
 
         Copied now rather than through SGLang's deferred copy-on-write at the forward: the request's tree lock
         covers the state of its match end, not the anchor's, so until then any slot allocation could evict the
-        anchor and reuse its slot. Allocating under a lock on the anchor keeps it alive for the copy.
+        anchor and reuse its slot. Allocating under a lock on the anchor keeps it alive for the copy. An anchor
+        whose state is on the host is kept there the same way, and copied back.
         """
         src = anchor.component_data[self.component_type].value
-        lock = self.cache.inc_lock_ref(anchor.id)
-        try:
-            dst = self._alloc_mamba_slot()
-        finally:
-            self.cache.dec_lock_ref(anchor.id, lock.to_dec_params())
         pool = self.cache.req_to_token_pool
-        with on_forward_stream(self.runtime.forward_stream):
-            pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)), pool.translate_mamba_indices(dst))
+        if src is None:
+            host = self.runtime.host_anchors
+            with host.keep(anchor):
+                dst = self._alloc_mamba_slot()
+            with on_forward_stream(self.runtime.forward_stream):
+                host.restore(anchor, pool.mamba_pool, int(pool.translate_mamba_indices(dst)[0]))
+            self.runtime.count_host_anchor_hit()
+        else:
+            lock = self.cache.inc_lock_ref(anchor.id)
+            try:
+                dst = self._alloc_mamba_slot()
+            finally:
+                self.cache.dec_lock_ref(anchor.id, lock.to_dec_params())
+            with on_forward_stream(self.runtime.forward_stream):
+                pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)),
+                                          pool.translate_mamba_indices(dst))
         req.kv.mamba_pool_idx = dst[0]
         req.kv.mamba_cow_src_index = None
         req.kv.mamba_needs_clear = False
@@ -124,16 +158,26 @@ class TailReplayMambaComponent(MambaComponent):
             insert_params.mamba_value = None
             return token_ids_len
         insert_params.mamba_value = None  # an approximate state is never an anchor
+        setattr(insert_params, TAINT_ATTR, not is_exact(req))
         return token_ids_len
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        if is_new_leaf and getattr(params, TAINT_ATTR, False):
+            setattr(node, TAINT_ATTR, True)  # the new leaf is the KV this request computed past what was cached
         if params.mamba_value is not None:
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
+    def redistribute_on_node_split(self, new_parent, child):
+        super().redistribute_on_node_split(new_parent, child)
+        setattr(new_parent, TAINT_ATTR, getattr(child, TAINT_ATTR, False))  # both halves come from one insert
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
         if self.runtime.config.anchored and is_exact(req):
             insert_result = self._insert_tracked_state(req, insert_result, insert_params)
-            return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+            super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+            if not is_finished and is_tainted(self.tree_core.node_by_id(req.last_node)):
+                setattr(req, EXACT_ATTR, False)  # its row now reads approximate KV (de-duplicated into the tree)
+            return
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)
 
@@ -150,6 +194,12 @@ class TailReplayMambaComponent(MambaComponent):
         taken = inserted and insert_state_at_depth(self.cache, req, depth, value)
         return _InsertOutcome(mamba_exist=not taken)
 
+    def discard_deleted_session_leaf(self, node) -> None:
+        """Called for every node the tree deletes: its host state goes with it."""
+        super().discard_deleted_session_leaf(node)
+        if self.runtime.host_anchors is not None:
+            self.runtime.host_anchors.discard(node)
+
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
         if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None:
             self.runtime.count_evicted_anchor()
@@ -159,7 +209,8 @@ class TailReplayMambaComponent(MambaComponent):
         """One step of the mamba LRU walk: tombstone the least recently used unlocked anchor, leaf or not.
 
         Stock evicts a leaf whole when its state is chosen, KV included, because a stock hit needs the state. Here
-        the KV still hits without it (zero-init tail), so only the state goes and the KV stays to FULL's LRU.
+        the KV still hits without it (zero-init tail), so only the state goes and the KV stays to FULL's LRU. With
+        host anchors the state is copied to host memory first.
         """
         ct = self.component_type
         lru = self.tree_core.lru_lists[ct]
@@ -169,10 +220,22 @@ class TailReplayMambaComponent(MambaComponent):
         if node is None or tracker[ct] >= self._evict_device_request_cnt:
             return None
         self._evict_device_cursor = lru.get_prev_no_lock(node)
+        self._save_to_host(node)
         self.tree_core._evict_component_and_detach_lru(node, self, target=EvictLayer.DEVICE, tracker=tracker,
                                                        device_frees=device_frees, host_frees=host_frees,
                                                        cache_actions=cache_actions)
         return None
+
+
+    def _save_to_host(self, node) -> None:
+        host = self.runtime.host_anchors
+        if host is None:
+            return
+        host.follow_tree(self.tree_core.root_node)
+        pool = self.cache.req_to_token_pool
+        slot = int(pool.translate_mamba_indices(node.component_data[self.component_type].value.view(-1))[0])
+        with on_forward_stream(self.runtime.forward_stream):
+            host.save(node, pool.mamba_pool, slot)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""Host-memory anchors (`--tail-replay-host-anchors N`): recurrent states the device mamba pool evicts, kept in host
+memory for hits that would otherwise have no anchor within the exact budget.
+
+A device mamba slot is scarce: one Qwen3.5-4B state is about 48 MiB, so a GPU's mamba pool holds far fewer anchors
+than its KV pool holds tokens, and under load the tree's KV outlives its anchors and hits turn approximate. When the
+mamba LRU tombstones an anchor (`TailReplayMambaComponent._evict_device_next_node`), its state is copied here first
+and the node keeps its KV; a hit whose deepest anchor is on the host gets a fresh device slot, the state is copied
+back into it and the replay runs from it, exactly. The host pool has its own LRU: dropping a host state drops only
+that state (the node's KV still hits, through a shallower anchor or the zero-init tail). A node the tree deletes
+(its KV evicted) or a flushed tree takes its host state with it.
+
+States are keyed by tree node: SGLang keeps a node's mamba state on the child when it splits a node
+(`MambaComponent.redistribute_on_node_split`), so the node keeps its depth's state, and the tree reports every
+deleted node to its components (`discard_deleted_session_leaf`). SGLang's own host mamba pool (`MambaPoolHost`) is
+HiCache's: it comes with the hierarchical cache's controller, page layouts and transfer kernels built from CUDA
+source, and moves every node's state, not the ones the device pool lets go. This pool is a plain pair of tensors
+shaped like the device pool's, pinned on CUDA.
+
+Copies run on the model's forward stream (`component.on_forward_stream`): a device-to-host save is ordered before
+any later forward that reuses the freed device slot, and a host-to-device restore before the replay that reads it.
+`copy_seconds` is the host's wall time for the copies: on CUDA that is the time to enqueue them.
+"""
+
+import contextlib
+import time
+from collections import OrderedDict
+
+import torch
+
+
+class HostAnchors:
+    def __init__(self, mamba_pool, capacity: int):
+        cache = mamba_pool.mamba_cache
+        pin = cache.temporal.is_cuda  # pinned memory exists only next to an accelerator
+
+        def host_like(t: torch.Tensor) -> torch.Tensor:  # [layers, slots, ...] with `capacity` slots
+            return torch.zeros((t.shape[0], capacity, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+
+        self.capacity = capacity
+        self.conv = [host_like(c) for c in cache.conv]
+        self.temporal = host_like(cache.temporal)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._slots: OrderedDict = OrderedDict()  # tree node -> host slot, least recently used first
+        self._kept: object = None  # a node whose state must not be dropped (being restored)
+        self._root: object = None  # the tree these nodes belong to (a flush builds a new root)
+        self.saved = self.restored = self.dropped = 0
+        self.copy_seconds = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, self.temporal))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, node) -> bool:
+        return node in self._slots
+
+    def follow_tree(self, root) -> None:
+        """Forget every state of an earlier tree: after a flush SGLang's tree has a new root and none of its nodes."""
+        if root is not self._root:
+            self._root = root
+            self._free.extend(self._slots.values())
+            self._slots.clear()
+
+    def save(self, node, mamba_pool, device_slot: int) -> bool:
+        """Copy the state in physical device slot `device_slot` to the host as `node`'s, dropping the least recently
+        used host state if the pool is full. False if every host state is kept (nothing saved)."""
+        if node in self._slots:  # the same path's state, saved before: still exact
+            self._slots.move_to_end(node)
+            return True
+        if not self._free and not self._drop_lru():
+            return False
+        slot = self._free.pop()
+        self._copy(mamba_pool, device_slot, slot, to_host=True)
+        self._slots[node] = slot
+        self.saved += 1
+        return True
+
+    def restore(self, node, mamba_pool, device_slot: int) -> None:
+        """Copy `node`'s host state into physical device slot `device_slot`. The host copy stays, as the anchor."""
+        slot = self._slots[node]
+        self._slots.move_to_end(node)
+        self._copy(mamba_pool, device_slot, slot, to_host=False)
+        self.restored += 1
+
+    @contextlib.contextmanager
+    def keep(self, node):
+        """`node`'s state is not dropped while a device slot is allocated for its restore (the allocation may evict
+        device anchors into this pool)."""
+        self._kept = node
+        try:
+            yield
+        finally:
+            self._kept = None
+
+    def discard(self, node) -> None:
+        slot = self._slots.pop(node, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _drop_lru(self) -> bool:
+        victim = next((node for node in self._slots if node is not self._kept), None)
+        if victim is None:
+            return False
+        self.discard(victim)
+        self.dropped += 1
+        return True
+
+    def _copy(self, mamba_pool, device_slot: int, host_slot: int, to_host: bool) -> None:
+        start = time.perf_counter()
+        cache = mamba_pool.mamba_cache
+        for device, host in zip((*cache.conv, cache.temporal), (*self.conv, self.temporal)):
+            if to_host:
+                host[:, host_slot].copy_(device[:, device_slot], non_blocking=True)
+            else:
+                device[:, device_slot].copy_(host[:, host_slot], non_blocking=True)
+        self.copy_seconds += time.perf_counter() - start
+
