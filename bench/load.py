@@ -36,17 +36,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tailreplay_eval import bench_serving, harness
-from tailreplay_eval.memory import account
+from tailreplay_eval.memory import device_bytes_per_token
 
 SYSTEMS = {"stock": (), "Tail-Replay device": ("--enable-tail-replay", "--tail-replay-hidden-tier", "device"),
            "Tail-Replay host": ("--enable-tail-replay", "--tail-replay-hidden-tier", "host")}
 SERVER_FLAGS = ("--enable-metrics", "--enable-cache-report")
-
-
-def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
-    acc = account(model_path, [*server_args, *system_flags])
-    on_device = "--enable-tail-replay" in system_flags and "host" not in system_flags
-    return acc["fa_kv_bytes_per_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)
 
 
 def table(rows: list[dict]) -> Table:

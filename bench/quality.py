@@ -323,6 +323,16 @@ def _replay_fields(meta: dict) -> dict:
             "anchor": meta.get("tail_replay_anchor"), "state_survival": meta.get("tail_replay_state_survival")}
 
 
+def _reused_as_planned(meta: dict, planned: int) -> bool:
+    """A hit reused the planned match, less at most its last token (which SGLang may keep back), or Tail-Replay
+    folded a short span after its anchor into the extend (`--tail-replay-fold-tokens`: exact, nothing replayed, and
+    cached tokens = the anchor's depth)."""
+    cached = meta["cached_tokens"]
+    folded = meta.get("tail_replay_exact") and not meta.get("tail_replay_tokens") and \
+        (meta.get("tail_replay_anchor") or 0) == cached
+    return cached >= planned - 1 or bool(folded)
+
+
 def _first_token_logprobs(meta: dict) -> dict[int, float]:
     top = meta["output_top_logprobs"][0] if meta.get("output_top_logprobs") else []
     return {int(token): float(lp) for lp, token, *_ in top}
@@ -341,12 +351,13 @@ def ask(endpoint: Endpoint, item: Item, protocol: str) -> tuple[dict, dict[int, 
     out = endpoint.generate(item.context_ids + item.question_ids, item.max_new_tokens, logprobs=True)
     meta = out["meta_info"]
     cached = meta["cached_tokens"]
-    # cache_ok: the cache did what the mode plans, i.e. a hit mode reused the planned match (less at most its last
-    # token, which SGLang may keep back), cache_off reused nothing.
+    # cache_ok: the cache did what the mode plans: a hit mode reused the planned match (`_reused_as_planned`),
+    # cache_off reused nothing.
     record = {"mode": endpoint.mode, "protocol": protocol, "suite": item.suite, "task": item.task,
               "length": item.length, "index": item.index, "context_tokens": len(item.context_ids),
               "question_tokens": len(item.question_ids), "planned_match": planned, "cached_tokens": cached,
-              "cache_ok": cached >= planned - 1 if endpoint.hits else cached == 0, **_replay_fields(meta),
+              "cache_ok": _reused_as_planned(meta, planned) if endpoint.hits else cached == 0,
+              **_replay_fields(meta),
               "answers": list(item.sample.answers), "prediction": out["text"], "output_ids": out["output_ids"],
               "score": item.score(out["text"])}
     return record, _first_token_logprobs(meta)
@@ -368,7 +379,7 @@ def converse(endpoint: Endpoint, turns: list[tasks.Sample], tokenizer) -> tuple[
         out = endpoint.generate(ids, budget, logprobs=True)
         cached = out["meta_info"]["cached_tokens"]
         records.append({"mode": endpoint.mode, "turn": t, "prompt_tokens": len(ids), "cached_tokens": cached,
-                        "cache_ok": cached >= seen - 1 if endpoint.hits else cached == 0,
+                        "cache_ok": _reused_as_planned(out["meta_info"], seen) if endpoint.hits else cached == 0,
                         **_replay_fields(out["meta_info"]), "prediction": out["text"],
                         "output_ids": out["output_ids"], "score": tasks.score(sample, out["text"])})
         firsts.append(_first_token_logprobs(out["meta_info"]))

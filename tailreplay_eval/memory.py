@@ -276,6 +276,14 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     }
 
 
+def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
+    """Bytes a server charges its device per pooled token: FA KV, plus the stored hiddens unless they are on the
+    host tier (`--tail-replay-hidden-tier host`)."""
+    acc = account(model_path, [*server_args, *system_flags])
+    on_device = "--enable-tail-replay" in system_flags and "host" not in system_flags
+    return acc["fa_kv_bytes_per_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)
+
+
 def account_for_configs(model_path: Path, configs: dict[str, tuple | None], server_args: list[str]) -> dict:
     """The accounting for the first Tail-Replay server's flags (its hidden dtype), else for the common flags."""
     flags = next((f for f in configs.values() if f and "--enable-tail-replay" in f), server_args)

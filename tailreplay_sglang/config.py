@@ -47,6 +47,10 @@ class TailReplayConfig:
     # Host-memory anchors: a state the device mamba pool evicts moves to a host pool of this many states (0: off)
     # and a hit can start from it (cache/host_anchors.py).
     host_anchors: int = 0
+    # An exact hit at most this many tokens past its anchor is not replayed: its match stops at the anchor and the
+    # extend computes those tokens in the same pass as the rest of the prompt, as after a stock hit. 64 covers a chat
+    # turn under extra_buffer (states every 64 tokens); a replay pass costs more than that (docs/results.md, 2e).
+    fold_tokens: int = 64
 
     def __post_init__(self):
         self._check_types()
@@ -73,6 +77,8 @@ class TailReplayConfig:
                                         f"{GDN_CHUNK} (the GDN chunk), got {self.anchor_interval}")
         if self.exact_budget is not None and self.exact_budget < 0:
             raise TailReplayConfigError(f"--tail-replay-exact-budget must be >= 0, got {self.exact_budget}")
+        if self.fold_tokens < 0:
+            raise TailReplayConfigError(f"--tail-replay-fold-tokens must be >= 0, got {self.fold_tokens}")
         if self.host_anchors < 0:
             raise TailReplayConfigError(f"--tail-replay-host-anchors must be >= 0, got {self.host_anchors}")
         if self.host_anchors and not self.anchored:
@@ -86,7 +92,8 @@ class TailReplayConfig:
         number, integer, text, none = (int, float), (int,), (str,), (type(None),)
         expected = {"ratio": number, "min_tokens": integer, "max_tokens": integer + none, "hidden_dtype": text,
                     "mode": text, "hidden_tier": text + none, "h2d": text, "anchor_interval": integer,
-                    "exact_budget": integer + none, "host_anchors": integer}
+                    "exact_budget": integer + none, "host_anchors": integer,
+                    "fold_tokens": integer}
         for name, kinds in expected.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):

@@ -152,6 +152,23 @@ def max_error(a: dict, b: dict) -> float:
     return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
 
 
+FOLD = 64  # --tail-replay-fold-tokens' default
+
+
+def assert_anchored_hit(meta: dict, matched: int, fold: int = FOLD) -> None:
+    """An exact hit of `matched` tokens from its anchor c: replayed over [c, matched) when more than `fold` tokens;
+    within `fold`, folded into the extend: the match stops at c (cached tokens = c) and nothing is replayed (with
+    c = 0 there is no hit at all, so no anchor is reported)."""
+    anchor, cached, replayed = meta["tail_replay_anchor"], meta["cached_tokens"], meta["tail_replay_tokens"]
+    assert meta["tail_replay_exact"] is True, meta
+    if cached == 0:
+        assert matched <= fold and replayed == 0, meta
+    elif matched - anchor <= fold:
+        assert cached == anchor and replayed == 0, meta
+    else:
+        assert cached == matched and replayed == matched - anchor, meta
+
+
 def assert_exact(hit: dict, reference: dict) -> None:
     """A hit equals the reference (`no_cache`): the same first token, every log-prob within EXACT_TOL."""
     assert hit["output_ids"][:1] == reference["output_ids"][:1]

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.server
 
 INTERVAL = 128
 VOCAB = TINY_VOCAB
-FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL), "--enable-metrics",
-         "--enable-cache-report", "--dtype", "float32")
+# The replay itself is what this module checks, so spans are replayed however short (--tail-replay-fold-tokens 0);
+# folding short spans into the extend, the default, is checked on SGLang's GPU path (test_production_path.py).
+FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL), "--tail-replay-fold-tokens", "0",
+         "--enable-metrics", "--enable-cache-report", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

@@ -313,7 +313,7 @@ def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen
 
 def test_load_equal_memory_charges_the_device_tier_store():
     """Equal device memory: the device-tier store is charged to each token, the host tier's is not."""
-    cost = {name: load.device_bytes_per_token("small", ["--dtype", "float32"], flags)
+    cost = {name: memory.device_bytes_per_token("small", ["--dtype", "float32"], flags)
             for name, flags in load.SYSTEMS.items()}
     kv, hidden = (memory.account("small", ["--dtype", "float32"])[k]
                   for k in ("fa_kv_bytes_per_token", "tail_replay_hidden_bytes_per_token"))
@@ -435,3 +435,39 @@ def test_image_chat_shapes_and_summary():
     assert summary["stock"]["cached_share"] == 0 and summary["stock"]["exact_share"] is None
     assert summary["stock"]["cold_ttft_p50_s"] == 1.0 and summary["Tail-Replay"]["ttft_p50_s"] == 0.1
     assert summary["Tail-Replay"]["same_answers_as_other"] == 2
+
+
+class _Recorder:
+    """Stands in for bench/pressure.py's Arm: records each prompt, answers with fixed ids."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def send(self, session, ids, max_new_tokens=16):
+        self.prompts.append((session, list(ids)))
+        return [7] * max_new_tokens
+
+
+def test_pressure_trace_is_the_same_for_every_arm_and_shares_prefixes():
+    """bench/pressure.py's trace: the same prompts for every arm (given the same answers), tenants' system prompts
+    distinct, and each kind shares what it should: chat turns extend the previous turn, forks cut the document,
+    continuations extend their answer."""
+    pressure = load_bench("pressure")
+    args = SimpleNamespace(seed=0, tenants=2, scale=0.1)
+    runs = []
+    for _ in range(2):
+        rec = _Recorder()
+        for session in pressure.trace(args, vocab=1000):
+            session(rec)
+        runs.append(rec.prompts)
+    assert runs[0] == runs[1] and len(runs[0]) == 2 * (2 * 4 + 4 + 3)
+    by_session = {}
+    for name, ids in runs[0]:
+        by_session.setdefault(name, []).append(ids)
+    heads = {prompts[0][0] for prompts in by_session.values()}
+    assert len(heads) == 2  # one system prompt per tenant, each session of a tenant starts with it
+    for name, prompts in by_session.items():
+        if "forks" in name:
+            assert all(p[:len(p) - 5] == prompts[0][:len(p) - 5] for p in prompts[1:])
+        else:
+            assert all(b[:len(a)] == a for a, b in zip(prompts, prompts[1:]))  # each turn extends the last

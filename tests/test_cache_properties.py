@@ -42,6 +42,7 @@ What is checked, after every step of a hypothesis RuleBasedStateMachine
     on purpose and check that these properties catch it.
 """
 
+import dataclasses
 import sys
 from array import array
 from collections import Counter
@@ -535,7 +536,10 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
 # ---- the anchored default mode: states kept in the tree, copied on a hit, evicted by the mamba LRU ----
 
 # Scaled to these sequences (up to 16 tokens): exact within 3 tokens of an anchor, else a 2-token zero-init tail.
-ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0, min_tokens=2, max_tokens=2)
+# Every span is replayed (fold_tokens=0), so that a match is the longest common prefix with the tree; folding is
+# checked on its own below.
+ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0, min_tokens=2, max_tokens=2,
+                                 fold_tokens=0)
 TAINT = -1.0  # the fingerprint of an approximate state (a zero-init tail)
 
 
@@ -622,8 +626,7 @@ class AnchoredCacheMachine(TailReplayCacheMachine):
                     f"node {node.id} keeps a state that is not the exact state of its path"
 
 
-HOST_ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0, min_tokens=2, max_tokens=2,
-                                      host_anchors=2)
+HOST_ANCHORED_MODE = dataclasses.replace(ANCHORED_MODE, host_anchors=2)
 
 
 class HostAnchoredCacheMachine(AnchoredCacheMachine):
@@ -715,6 +718,29 @@ def test_a_hit_through_kv_an_approximate_request_inserted_is_not_exact(sglang_co
             req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
 
 
+def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_state(sglang_context):
+    """--tail-replay-fold-tokens: a hit 2 tokens past its anchor (fold 3) is cut back to the anchor, whose state
+    the request's own slot holds, and nothing is left to replay; 5 tokens past it (budget 5), it is replayed."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    config = dataclasses.replace(ANCHORED_MODE, exact_budget=5, fold_tokens=3)
+    with use_context(context):
+        for anchor_depth, expected in ((8, Match(8, 8, exact=True)), (5, Match(10, 5, exact=True))):
+            cache, req_pool, allocator = build_cache(server_args, config, 8)
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
+            end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:anchor_depth]))))
+            state = req_pool.mamba_allocator.alloc(1)
+            req_pool.mamba_pool.mamba_cache.temporal[:, int(state)] = 42.0
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt[:anchor_depth])), mamba_value=state,
+                                      value=cache.path_device_indices(end.last_device_node),
+                                      prev_prefix_len=anchor_depth, inserted_len=anchor_depth))
+            req = new_request(1, prompt + (2,))
+            req.init_next_round_input(cache)
+            assert getattr(req, MATCH_ATTR) == expected and req.prefix_len == expected.matched
+            assert path_tokens(cache.tree_core.node_by_id(req.last_node)) == prompt[:expected.matched]
+            assert float(req_pool.mamba_pool.mamba_cache.temporal[0, int(req.kv.mamba_pool_idx)].view(-1)[0]) == 42.0
+
+
 # ---- the properties catch broken bookkeeping in the component ----
 
 def keep_the_slot(self, req, is_finished, insert_result=None, insert_params=None):
@@ -778,7 +804,8 @@ def keep_deleted_nodes(self, node):
 
 
 BROKEN_ANCHORED = {
-    "a hit replays from the wrong depth": ({"deepest_anchor": anchor_one_token_too_deep}, "reported exact"),
+    "a hit replays from the wrong depth": ({"deepest_anchor": anchor_one_token_too_deep},
+                                           "reported exact|longest common prefix"),  # or is folded past its end
     "approximate states become anchors": (
         {"prepare_for_caching_req": store_every_state, "cleanup_after_caching_req": store_nothing_clean_up_like_stock},
         "approximate state"),

@@ -22,12 +22,12 @@ SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes 
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tiny_qwen35_moe, tmp_path_factory):
     """TP 2 replaying whole prefixes, dense and MoE; DP 2 with anchored replay (the defaults, interval anchors every
-    64 tokens) on both ranks. Started together."""
+    64 tokens, every span replayed rather than folded into the extend) on both ranks. Started together."""
     yield from start_servers(tmp_path_factory, {
         "tp": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
         "tp_moe": Spec(tiny_qwen35_moe, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
-        "dp": Spec(tiny_qwen35, ("--enable-tail-replay", "--tail-replay-anchor-interval", "64", "--dp-size", "2"),
-                   env=TWO_RANKS),
+        "dp": Spec(tiny_qwen35, ("--enable-tail-replay", "--tail-replay-anchor-interval", "64",
+                                 "--tail-replay-fold-tokens", "0", "--dp-size", "2"), env=TWO_RANKS),
     })
 
 

@@ -58,12 +58,13 @@ def data_uri(img: Image.Image) -> str:
 def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
     """Started together:
     - stock: SGLang as it comes (the HF comparison);
-    - anchored: Tail-Replay's defaults, prefill chunks of CHUNK tokens so that anchors sit inside images;
+    - anchored: Tail-Replay's defaults, prefill chunks of CHUNK tokens so that anchors sit inside images, and every
+      span replayed (--tail-replay-fold-tokens 0), since the replay through an image is what is checked;
     - paper_moe: the MoE checkpoint in the paper's mode, replaying the whole prefix from a cleared state."""
     yield from start_servers(tmp_path_factory, {
         "stock": Spec(tiny_qwen35_vl, ("--enable-cache-report",)),
         "anchored": Spec(tiny_qwen35_vl, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
-                                          str(CHUNK))),
+                                          str(CHUNK), "--tail-replay-fold-tokens", "0")),
         "paper_moe": Spec(tiny_qwen35_moe_vl, EXACT_FLAGS),
     })
 

@@ -5,7 +5,8 @@ The MAMBA component is replaced by one for which every node with KV is a valid m
 any token boundary (SGLang's own cap of input_len - 1 stays). On a hit of m tokens it looks up the deepest node on
 the matched path that holds a state, the anchor at depth c:
 - m - c within the exact budget: the request gets its own slot holding a copy of the anchor's state and replays
-  [c, m) from it (exact);
+  [c, m) from it (exact); a span of at most `--tail-replay-fold-tokens` is not replayed: the match stops at c and
+  the extend computes it, as after a stock hit on that state (one pass instead of a replay pass and an extend);
 - otherwise (or with no anchor) a fresh, cleared slot and the paper's zero-init tail (approximate).
 Requests whose state is exact donate it to the tree as stock no_buffer does (where they end, where each prefill
 chunk ends); interval anchors are added by `cache/anchors.py`. An approximate state is never stored. States are
@@ -110,12 +111,21 @@ class TailReplayMambaComponent(MambaComponent):
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
                 self._copy_state_into_new_slot(req, anchor)
+            if m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass: stop the match there
+                result, m = self._match_up_to(result, anchor, c), c
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
         setattr(req, MATCH_ATTR, match)
         setattr(req, EXACT_ATTR, match.exact)  # what later checkpoints of the request read; also in meta_info
         return result
+
+    def _match_up_to(self, result, anchor, depth: int):
+        """The match cut back to the anchor's node (the root for depth 0): the extend computes the rest, as it does
+        after a stock hit on that state, and no replay runs."""
+        node_id = (anchor or self.tree_core.root_node).id
+        return result._replace(device_prefix_len=depth, last_device_node=node_id, last_host_node=node_id,
+                               best_match_node=node_id)
 
     def _copy_state_into_new_slot(self, req, anchor) -> None:
         """The request's own slot, holding the anchor's state.
