@@ -2,12 +2,14 @@
 multi-turn chat where stock already hits exactly.
 
     python bench/pressure.py [--preset small] [--budget-mib 160] [--mamba-slots 12] [--host-anchors 256] \
-        [--tenants 3] [--clients 4] [--scale 1.0] [--chat-clients 3] [--chat-turns 6] [--out runs/pressure.json]
+        [--tenants 3] [--clients 4] [--scale 1.0] [--chat-clients 3] [--chat-turns 8] [--out runs/pressure.json]
 
 Every server runs SGLang's GPU-default scheduling (no strategy flag: extra_buffer with the overlap scheduler), as
 users run it.
 
-Pressure trace. Arms: stock, Tail-Replay with device anchors only, Tail-Replay with `--tail-replay-host-anchors`.
+Pressure trace. Arms: stock, Tail-Replay with device anchors only (evicted least recently used first:
+`--tail-replay-anchor-keep lru`, and the default `ends`: branch points and path ends kept first), Tail-Replay with
+`--tail-replay-host-anchors`.
 Equal device memory: each server's token pool gets `--budget-mib` over the bytes per token it charges to the device
 (FA KV, plus the stored hiddens for Tail-Replay: `tailreplay_eval.memory.device_bytes_per_token`), and all get the
 same `--mamba-slots` device states (running requests, stock's checkpoints, Tail-Replay's anchors) and 4 running
@@ -48,7 +50,8 @@ from tailreplay_eval import harness
 from tailreplay_eval.client import stream_generate
 from tailreplay_eval.memory import device_bytes_per_token
 
-ARMS = {"stock": (), "Tail-Replay, device anchors": ("--enable-tail-replay",),
+ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay", "--tail-replay-anchor-keep", "lru"),
+        "Tail-Replay, device anchors (keep ends)": ("--enable-tail-replay",),
         "Tail-Replay, host anchors": ("--enable-tail-replay", "--tail-replay-host-anchors")}  # + N
 SERVER_FLAGS = ("--enable-cache-report",)
 SYSTEM_TOKENS, DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 1024, 1500, 48, 16, 600
@@ -254,7 +257,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every token count of the trace")
     ap.add_argument("--chat-clients", type=int, default=3)
-    ap.add_argument("--chat-turns", type=int, default=6, help="0: skip the chat A/B")
+    ap.add_argument("--chat-turns", type=int, default=8, help="0: skip the chat A/B")
     ap.add_argument("--parts", nargs="+", choices=("pressure", "chat"), default=["pressure", "chat"])
     args = ap.parse_args()
     run = harness.Run.begin(args)

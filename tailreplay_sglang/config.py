@@ -19,6 +19,7 @@ HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a fl
 GDN_CHUNK = 64  # the chunk of the GDN prefill kernels: interval anchors are taken at chunk boundaries
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")
+ANCHOR_KEEP = ("lru", "ends")  # which device anchor goes first under pressure (cache/component.py)
 
 
 class TailReplayConfigError(ValueError):
@@ -51,6 +52,10 @@ class TailReplayConfig:
     # extend computes those tokens in the same pass as the rest of the prompt, as after a stock hit. 64 covers a chat
     # turn under extra_buffer (states every 64 tokens); a replay pass costs more than that (docs/results.md, 2e).
     fold_tokens: int = 64
+    # Which anchor the device pool evicts first: the least recently used (lru), or the least recently used one that
+    # is neither a branch point nor a path's end, if any (ends: branch points and request ends kept first; under
+    # pressure 19 of 41 hits exact against lru's 13 of 42, docs/results.md, 2e).
+    anchor_keep: str = "ends"
 
     def __post_init__(self):
         self._check_types()
@@ -77,6 +82,9 @@ class TailReplayConfig:
                                         f"{GDN_CHUNK} (the GDN chunk), got {self.anchor_interval}")
         if self.exact_budget is not None and self.exact_budget < 0:
             raise TailReplayConfigError(f"--tail-replay-exact-budget must be >= 0, got {self.exact_budget}")
+        if self.anchor_keep not in ANCHOR_KEEP:
+            raise TailReplayConfigError(f"--tail-replay-anchor-keep must be one of {', '.join(ANCHOR_KEEP)}, "
+                                        f"got {self.anchor_keep!r}")
         if self.fold_tokens < 0:
             raise TailReplayConfigError(f"--tail-replay-fold-tokens must be >= 0, got {self.fold_tokens}")
         if self.host_anchors < 0:
@@ -93,7 +101,7 @@ class TailReplayConfig:
         expected = {"ratio": number, "min_tokens": integer, "max_tokens": integer + none, "hidden_dtype": text,
                     "mode": text, "hidden_tier": text + none, "h2d": text, "anchor_interval": integer,
                     "exact_budget": integer + none, "host_anchors": integer,
-                    "fold_tokens": integer}
+                    "fold_tokens": integer, "anchor_keep": text}
         for name, kinds in expected.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):

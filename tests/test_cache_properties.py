@@ -675,8 +675,16 @@ def test_cache_bookkeeping_holds_under_random_operations(sglang_context):
     run_machine(sglang_context, SETTINGS)
 
 
-def test_anchored_states_are_exact_for_their_path_and_exact_claims_start_from_them(sglang_context):
-    run_machine(sglang_context, SETTINGS, AnchoredCacheMachine)
+class KeepEndsCacheMachine(AnchoredCacheMachine):
+    """The anchored mode evicting mid-path anchors before branch points and ends (`--tail-replay-anchor-keep ends`)."""
+
+    def build(self, server_args):
+        return build_cache(server_args, dataclasses.replace(ANCHORED_MODE, anchor_keep="ends"), self.mamba_slots)
+
+
+@pytest.mark.parametrize("machine", [AnchoredCacheMachine, KeepEndsCacheMachine], ids=["lru", "keep ends"])
+def test_anchored_states_are_exact_for_their_path_and_exact_claims_start_from_them(sglang_context, machine):
+    run_machine(sglang_context, SETTINGS, machine)
 
 
 def test_host_anchors_are_exact_for_their_path_and_hits_restore_them(sglang_context):
@@ -739,6 +747,31 @@ def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_s
             assert getattr(req, MATCH_ATTR) == expected and req.prefix_len == expected.matched
             assert path_tokens(cache.tree_core.node_by_id(req.last_node)) == prompt[:expected.matched]
             assert float(req_pool.mamba_pool.mamba_cache.temporal[0, int(req.kv.mamba_pool_idx)].view(-1)[0]) == 42.0
+
+
+@pytest.mark.parametrize("keep,evicted_depth", [("lru", 2), ("ends", 4)])
+def test_anchor_keep_policy_picks_the_victim(sglang_context, keep, evicted_depth):
+    """States at a branch point (depth 2), a path's end (6) and mid-path (4), least recently used first: one
+    eviction takes the least recently used under lru, the mid-path one under ends."""
+    server_args, context = sglang_context
+    path, fork = (0, 1, 2, 3, 0, 1), (0, 1, 3)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, dataclasses.replace(ANCHORED_MODE, anchor_keep=keep), 8)
+        cache.insert(InsertParams(key=RadixKey(array("q", path)), value=allocator.alloc(6)))
+        for depth in (2, 4, 6):
+            key = RadixKey(array("q", path[:depth]))
+            cache.insert(InsertParams(key=key, mamba_value=req_pool.mamba_allocator.alloc(1), prev_prefix_len=depth,
+                                      inserted_len=depth, value=cache.path_device_indices(
+                                          cache.match_prefix(MatchPrefixParams(key=key)).last_device_node)))
+        cache.insert(InsertParams(key=RadixKey(array("q", fork)), prev_prefix_len=2,
+                                  value=torch.cat([cache.path_device_indices(cache.match_prefix(MatchPrefixParams(
+                                      key=RadixKey(array("q", fork[:2])))).last_device_node), allocator.alloc(1)])))
+        states = {len(path_tokens(n)): n for n in tree_nodes(cache) if n.component_data[MAMBA].value is not None}
+        for depth in (2, 6, 4):  # the LRU order, least recent first
+            cache.tree_core.lru_lists[MAMBA].reset_node_mru(states[depth])
+        cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+        kept = sorted(len(path_tokens(n)) for n in tree_nodes(cache) if n.component_data[MAMBA].value is not None)
+        assert kept == sorted({2, 4, 6} - {evicted_depth})
 
 
 # ---- the properties catch broken bookkeeping in the component ----

@@ -50,6 +50,7 @@ def test_env_round_trip(monkeypatch):
     ({"host_anchors": 8, "exact_budget": 0}, "--tail-replay-host-anchors"),  # host anchors without anchors
     ({"host_anchors": 1.5}, "--tail-replay-host-anchors"),
     ({"fold_tokens": -1}, "--tail-replay-fold-tokens"),
+    ({"anchor_keep": "mru"}, "--tail-replay-anchor-keep"),
 ])
 def test_invalid_anchor_values_name_the_flag(kwargs, flag):
     with pytest.raises(TailReplayConfigError, match=flag):

@@ -216,26 +216,34 @@ class TailReplayMambaComponent(MambaComponent):
         return super().evict_component(node, device_frees, host_frees, cache_actions, target)
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
-        """One step of the mamba LRU walk: tombstone the least recently used unlocked anchor, leaf or not.
+        """One step of the mamba LRU walk: tombstone the next unlocked anchor (`_next_victim`), leaf or not.
 
         Stock evicts a leaf whole when its state is chosen, KV included, because a stock hit needs the state. Here
         the KV still hits without it (zero-init tail), so only the state goes and the KV stays to FULL's LRU. With
         host anchors the state is copied to host memory first.
         """
         ct = self.component_type
-        lru = self.tree_core.lru_lists[ct]
-        if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
-            self._evict_device_cursor = lru.get_lru_no_lock()
-        node = self._evict_device_cursor
+        node = self._next_victim(self.tree_core.lru_lists[ct])
         if node is None or tracker[ct] >= self._evict_device_request_cnt:
             return None
-        self._evict_device_cursor = lru.get_prev_no_lock(node)
         self._save_to_host(node)
         self.tree_core._evict_component_and_detach_lru(node, self, target=EvictLayer.DEVICE, tracker=tracker,
                                                        device_frees=device_frees, host_frees=host_frees,
                                                        cache_actions=cache_actions)
         return None
 
+
+    def _next_victim(self, lru):
+        """The least recently used unlocked anchor; under `--tail-replay-anchor-keep ends`, the least recently used
+        one with exactly one child (neither a branch point, where paths fork, nor a path's end, where requests
+        stopped and continue), if there is one."""
+        node = lru.get_lru_no_lock()
+        if self.runtime.config.anchor_keep == "lru":
+            return node
+        candidate = node
+        while candidate is not None and len(candidate.children) != 1:
+            candidate = lru.get_prev_no_lock(candidate)
+        return candidate or node
 
     def _save_to_host(self, node) -> None:
         host = self.runtime.host_anchors
