@@ -16,8 +16,8 @@ JSON, so that reuse is weighed against what it costs (bench/load.py and bench/pa
 Per cached token the table compares: stock (FA KV only, plus one slot per checkpoint), paper mode (KV + hiddens)
 and anchored replay at each interval N (KV + hiddens + slot / N). Anchors live in the mamba pool and SGLang's
 mamba LRU evicts them (the node keeps its KV and hits through the zero-init tail), so slot / N is the cost while
-every interval anchor is kept. Interval anchors are taken on the torch GDN prefill path (CPU) only for now; on a GPU
-only the request-end and chunk-end anchors are kept.
+every interval anchor is kept. Interval anchors come from the chunked prefill's per-chunk states on every device.
+Host anchors (`--tail-replay-host-anchors`) live in host memory and are not counted here.
 
 The formulas are SGLang 0.5.23's own pool sizing, restated so that no server or parallel state is needed:
 `configs/mamba_utils.py` (`Mamba2StateShape.create`, `BaseLinearStateParams.mamba_cache_per_req`, conv dtype from
