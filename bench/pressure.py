@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import requests
 from rich.console import Console
 from rich.table import Table
 
 from tailreplay_eval import harness
 from tailreplay_eval.client import stream_generate
 from tailreplay_eval.memory import device_bytes_per_token
+from tailreplay_sglang.pool_report import KEY as POOLS_KEY
 
 ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay", "--tail-replay-anchor-keep", "lru"),
         "Tail-Replay, device anchors (keep ends)": ("--enable-tail-replay",),
@@ -158,8 +158,9 @@ def run_trace(arm: Arm, sessions: list, clients: int) -> float:
 
 
 def pools(url: str) -> dict:
-    info = requests.get(f"{url}/server_info", timeout=30).json()
-    return next((s["tail_replay_pools"] for s in info.get("internal_states", []) if "tail_replay_pools" in s), {})
+    """The plugin's pool report (`pool_report.py`); {} on a stock server."""
+    states = harness.server_info(url).get("internal_states", [])
+    return next((s[POOLS_KEY] for s in states if POOLS_KEY in s), {})
 
 
 def summarize(arm: Arm, wall_s: float, before: dict, after: dict) -> dict:

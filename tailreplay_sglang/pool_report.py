@@ -43,7 +43,7 @@ def pool_report(scheduler, runtime) -> dict:
         "host_anchor_bytes": 0 if host is None else host.nbytes,
         "host_anchors_saved": 0 if host is None else host.saved,  # device anchors moved to the host pool
         "host_anchors_dropped": 0 if host is None else host.dropped,  # host states dropped by the host LRU
-        "host_anchor_hits": runtime.host_anchor_hits,
+        "host_anchor_hits": 0 if host is None else host.restored,  # hits that started from a host state
         "host_anchor_copy_ms": 0.0 if host is None else round(host.copy_seconds * 1e3, 3),
         "waiting_reqs": len(scheduler.waiting_queue),
         "running_reqs": len(scheduler.running_batch.reqs),

@@ -13,7 +13,7 @@ What it holds, and who fills it:
 - `host_anchors`: the host pool of evicted anchors (`cache.host_anchors`), created with the store, or None;
 - `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
-- `evicted_anchors` / `evicted_tokens` / `host_anchor_hits`: counters the pool report serves in `/server_info`.
+- `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
 """
 
 from dataclasses import dataclass, field
@@ -40,7 +40,6 @@ class TailReplayRuntime:
     metrics: "ReplayMetrics | None" = None
     evicted_anchors: int = 0  # recurrent states the tree's mamba LRU has dropped since start-up
     evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up
-    host_anchor_hits: int = 0  # hits that started from a state copied back from the host pool
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
@@ -54,7 +53,7 @@ class TailReplayRuntime:
             self.metrics.evicted_anchors.inc()
 
     def count_host_anchor_hit(self) -> None:
-        self.host_anchor_hits += 1
+        """A hit started from a host state (the host pool counts them too, as `restored`)."""
         if self.metrics is not None:
             self.metrics.host_anchor_hits.inc()
 

@@ -232,7 +232,6 @@ class TailReplayMambaComponent(MambaComponent):
                                                        cache_actions=cache_actions)
         return None
 
-
     def _next_victim(self, lru):
         """The least recently used unlocked anchor; under `--tail-replay-anchor-keep ends`, the least recently used
         one with exactly one child (neither a branch point, where paths fork, nor a path's end, where requests

@@ -116,4 +116,3 @@ class HostAnchors:
             else:
                 device[:, device_slot].copy_(host[:, host_slot], non_blocking=True)
         self.copy_seconds += time.perf_counter() - start
-
