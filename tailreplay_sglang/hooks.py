@@ -138,6 +138,9 @@ CPU_ENGINE = (
     Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_all_layers", "replace",
          f"{_PKG}.cpu.extra_buffer:track_states_all_layers",
          "extra_buffer's decode-side state tracking (all layers at once) is a Triton kernel"),
+    Hook(f"{_SRT}.layers.attention.mamba.mamba.mamba_chunk_scan_combined", "call", f"{_PKG}.cpu.mamba2:install",
+         "the Mamba2 mixer (Nemotron-H, Granite-4.0-H, Falcon-H1) binds its causal conv only on CUDA / NPU / XPU and "
+         "its SSD scan and decode update are Triton: all six names bound to torch bodies"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.cpu.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

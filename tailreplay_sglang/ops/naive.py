@@ -35,3 +35,20 @@ def naive_causal_conv1d(x, weight, bias=None, initial_state=None, silu=True):
     if bias is not None:
         y = y + bias[:, None]
     return (F.silu(y) if silu else y), window[:, -(width - 1):]
+
+
+def naive_ssd(x, dt, A, B, C, D=None, initial_state=None):
+    """One sequence, plain Mamba2 recurrence. x: [T, H, P]; dt: [T, H] (after bias / softplus); A: [H];
+    B, C: [T, H, N] (groups expanded to heads); D: [H]; initial_state: [H, P, N]. Returns (y [T, H, P], state).
+
+        S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,   y_t = S_t C_t + D x_t
+    """
+    T, H, P = x.shape
+    S = torch.zeros(H, P, B.shape[-1], dtype=x.dtype) if initial_state is None else initial_state.clone()
+    y = torch.empty_like(x)
+    for t in range(T):
+        S = S * (dt[t] * A).exp()[:, None, None] + torch.einsum("hp,hn->hpn", dt[t][:, None] * x[t], B[t])
+        y[t] = torch.einsum("hpn,hn->hp", S, C[t])
+        if D is not None:
+            y[t] = y[t] + D[:, None] * x[t]
+    return y, S
