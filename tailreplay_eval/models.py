@@ -1,4 +1,4 @@
-"""Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
+"""Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Nemotron-H checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
 
     python -m tailreplay_eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
@@ -92,6 +92,18 @@ class Vision:
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """Nemotron-H's Mamba2 mixers and layer pattern (M Mamba2, * attention, - MLP), as NVIDIA's configs spell them."""
+
+    pattern: str
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    chunk_size: int = 64  # SGLang's extra_buffer needs its track interval (256) to be a multiple
+
+
+@dataclass(frozen=True)
 class Preset:
     model_type: str  # transformers model_type; its causal LM class is the checkpoint's architecture
     num_hidden_layers: int
@@ -120,6 +132,8 @@ class Preset:
     vision: Vision | None = None
     # Multimodal RoPE: the rotated pairs split over (time, height, width) positions, interleaved as Qwen3.5's.
     mrope_section: tuple[int, ...] | None = None
+    # Nemotron-H (model_type nemotron_h): its Mamba2 layers and pattern; num_hidden_layers is the pattern's length.
+    mamba2: Mamba2 | None = None
 
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
@@ -163,6 +177,13 @@ PRESETS: dict[str, Preset] = {
     # OLMo-Hybrid (transformers' olmo_hybrid; served by tailreplay_sglang.models): same sizes as tiny-qwen35.
     "tiny-olmo-hybrid": Preset(
         model_type="olmo_hybrid", **TINY,
+    ),
+    # Nemotron-H (Mamba2): the tiny sizes, a pattern with an MLP between two Mamba2 layers (group 0), a group that
+    # starts with an MLP (group 1) and MLPs after a group's last Mamba2 layer. HF's Mamba2 init (A = 1..heads,
+    # dt in [0.001, 0.1]) gives per-token decays from 0.45 to 0.999: the heads' memories span 1 to 1000 tokens.
+    "tiny-nemotron-h": Preset(
+        model_type="nemotron_h", **dict(TINY, num_hidden_layers=11),
+        mamba2=Mamba2(pattern="M-M*-MM-*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
@@ -326,7 +347,40 @@ def save_processor(preset: Preset, tokenizer: Tokenizer, out_dir: Path) -> None:
     processor.save_pretrained(out_dir)
 
 
+def nemotron_h_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' NemotronHConfig for `preset.mamba2`; `nvidia_config_fields` respells it as NVIDIA ships it."""
+    m = preset.mamba2
+    if len(m.pattern) != preset.num_hidden_layers:
+        raise ValueError(f"pattern {m.pattern!r} has {len(m.pattern)} layers, not {preset.num_hidden_layers}")
+    return AutoConfig.for_model(
+        "nemotron_h", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, hybrid_override_pattern=m.pattern,
+        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim, intermediate_size=preset.intermediate_size, ssm_state_size=m.state_size,
+        mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, n_groups=m.n_groups, conv_kernel=4,
+        expand=m.num_heads * m.head_dim // preset.hidden_size, chunk_size=m.chunk_size,
+        max_position_embeddings=preset.max_position_embeddings, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tokenizer.token_to_id(IM_END), pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
+def nvidia_config_fields(config: dict) -> dict:
+    """config.json as NVIDIA writes Nemotron-H's: the layer pattern as `hybrid_override_pattern` (transformers 5
+    writes `layers_block_type`), and the Mamba2 sizes under both of the names SGLang's and transformers' configs
+    read (SGLang's reads `mamba_n_groups`, defaulting to 8, where transformers writes `n_groups`)."""
+    config = dict(config)
+    letters = {"linear_attention": "M", "mlp": "-", "full_attention": "*", "moe": "E"}
+    config["hybrid_override_pattern"] = "".join(letters[t] for t in config.pop("layers_block_type"))
+    config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
+    config.pop("mtp_layers_block_type", None)
+    config.update(mamba_n_groups=config["n_groups"], mamba_d_conv=config["conv_kernel"],
+                  mamba_expand=config["expand"], mamba_chunk_size=config["chunk_size"],
+                  time_step_limit=[0.0, float("inf")])
+    return config
+
+
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    if preset.model_type == "nemotron_h":
+        return nemotron_h_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
     if preset.vision is not None:
@@ -432,6 +486,9 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors
+    if preset.mamba2 is not None:
+        config_file = staging / "config.json"
+        config_file.write_text(json.dumps(nvidia_config_fields(json.loads(config_file.read_text())), indent=2) + "\n")
     marker = dict(record, num_parameters=model.num_parameters())
     # Written last: a directory without it is never mistaken for a finished build.
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")

@@ -8,6 +8,10 @@ Models whose decoder layers carry the whole residual stream in `hidden_states` (
 `tailreplay_sglang.models`, marked `carries_stream_in_hidden_states`) are hooked on the decoder layer instead,
 `layer(positions, hidden_states, forward_batch)`: its input is the value entering the group. With OLMo-Hybrid's
 post-norm attention layers that is the FA layer's output, norms included, the same quantity as for Qwen3.5.
+
+Nemotron-H's layers call their stages' `.forward` directly (no module hooks fire) and each starts with
+`layer.boundary.prepare(hidden_states, forward_batch)`, SGLang's fused add + norm, which leaves the value entering the
+layer in `forward_batch.residual_stream.residual`: that call is wrapped on the group's first layer instead.
 """
 
 from functools import partial
@@ -39,9 +43,36 @@ def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
     store.write_hidden(first_layer, forward_batch.out_cache_loc, hidden_states[:n])
 
 
+class _StageInputCapture:
+    """Wraps one layer's `boundary.prepare` (Nemotron-H): after it, writes the tokens or the group input."""
+
+    def __init__(self, layer, store: HiddenStore, first_layer: int | None):
+        self.boundary, self.prepare = layer.boundary, layer.boundary.prepare
+        self.store, self.first_layer = store, first_layer
+        self.boundary.prepare = self
+
+    def __call__(self, hidden_states, forward_batch, **kwargs):
+        out = self.prepare(hidden_states, forward_batch, **kwargs)
+        if forward_batch.out_cache_loc is not None:
+            n = forward_batch.out_cache_loc.shape[0]
+            if self.first_layer is None:
+                if forward_batch.input_ids is not None:
+                    self.store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
+            else:
+                stream = forward_batch.residual_stream
+                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, stream.residual[:n])
+        return out
+
+    def remove(self) -> None:
+        self.boundary.prepare = self.prepare
+
+
 def install(layers, store: HiddenStore) -> list:
     """Register the hooks on the model's decoder layers; returns the handles."""
     groups = store.layout.groups
+    if hasattr(layers[groups[0].first_layer], "boundary"):  # Nemotron-H: stages, no module hooks
+        return [_StageInputCapture(layers[groups[0].first_layer], store, None)] + [
+            _StageInputCapture(layers[g.first_layer], store, g.first_layer) for g in store.layout.stored_groups]
     handles = [layers[groups[0].first_layer].linear_attn.register_forward_pre_hook(partial(_capture_tokens, store))]
     for group in store.layout.stored_groups:
         layer = layers[group.first_layer]

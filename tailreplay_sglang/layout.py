@@ -1,9 +1,15 @@
 """Which layers form Tail-Replay groups, and what the hidden store keeps per token.
 
-A hybrid model is a stack of groups: group 0 is the linear-attention (GDN) layers before the first full-attention
-(FA) layer, fed by the token embeddings; every later group is the GDN layers following one FA layer. For each group
-after group 0 the store keeps, per token, the residual-stream value entering the group's first GDN layer (the FA
-layer's output hidden); replaying a group needs nothing else.
+A hybrid model is a stack of groups: group 0 is the recurrent layers before the first full-attention (FA) layer, fed
+by the token embeddings; every later group is the layers following one FA layer, up to its last recurrent layer.
+For each group after group 0 the store keeps, per token, the residual-stream value entering the group's first layer
+(the FA layer's output hidden); replaying a group needs nothing else.
+
+Two recurrent mixers (`HybridLayout.mixer`): Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid: each decoder layer is
+a GDN mixer and its MLP) and Mamba2 (Nemotron-H: every layer is one stage, a Mamba2 mixer `M`, attention `*`, MLP
+`-` or MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the run of layers between two
+attention layers cut after its last Mamba2 layer: the MLP layers between its Mamba2 layers feed them and are
+replayed, those after the last one feed nothing the states depend on.
 
 Vision-language checkpoints (a `vision_config`: Qwen3.5 as Qwen publishes it) store group 0's input too. There the
 first layer's input is not a function of the token id: SGLang puts the vision tower's features in the rows of image
@@ -16,19 +22,27 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-LINEAR, FULL = "linear_attention", "full_attention"
-SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid: models whose config "
-             "lists linear_attention layers")
+LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+GDN, MAMBA2 = "gdn", "mamba2"
+SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid (Gated DeltaNet: "
+             "models whose config lists linear_attention layers), and Nemotron-H with MLP layers (Mamba2: "
+             "NemotronHForCausalLM, a hybrid_override_pattern of M, - and * layers)")
+# Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
+PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
+BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
+               "moe": MOE}
+MAMBA2_ARCHITECTURES = ("NemotronHForCausalLM",)
 
 
 @dataclass(frozen=True)
 class Group:
     index: int
-    gdn_layers: tuple[int, ...]  # consecutive GDN layer ids; the last one is replayed state-only
+    layers: tuple[int, ...]  # consecutive layer ids replayed, through the last recurrent one (state-only)
+    recurrent_layers: tuple[int, ...]  # those with a recurrent mixer: GDN or Mamba2 (all of them for GDN models)
 
     @property
     def first_layer(self) -> int:
-        return self.gdn_layers[0]
+        return self.layers[0]
 
 
 @dataclass(frozen=True)
@@ -36,19 +50,26 @@ class HybridLayout:
     layer_types: tuple[str, ...]
     hidden_size: int
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
+    mixer: str = GDN  # the recurrent mixer: GDN or MAMBA2
 
     @property
     def groups(self) -> tuple[Group, ...]:
-        """Runs of GDN layers between FA layers (empty runs dropped); run i is group i."""
+        """Runs of layers between FA layers, cut after their last recurrent layer (runs without one dropped);
+        run i is group i."""
         runs, current = [], []
         for layer_id, kind in enumerate(self.layer_types):
             if kind == FULL:
-                runs.append(tuple(current))
+                runs.append(current)
                 current = []
             else:
                 current.append(layer_id)
-        runs.append(tuple(current))
-        return tuple(Group(i, run) for i, run in enumerate(runs) if run)
+        runs.append(current)
+        groups = []
+        for run in runs:
+            recurrent = tuple(i for i in run if self.layer_types[i] == LINEAR)
+            if recurrent:
+                groups.append(Group(len(groups), tuple(i for i in run if i <= recurrent[-1]), recurrent))
+        return tuple(groups)
 
     @property
     def stored_groups(self) -> tuple[Group, ...]:
@@ -67,7 +88,8 @@ class HybridLayout:
         vision = getattr(config, "vision_config", None)
         if vision is not None:
             _require_no_deepstack(getattr(vision, "deepstack_visual_indexes", None) or [])
-        return cls(_layer_types(text), text.hidden_size, stores_embeddings=vision is not None)
+        return cls(_layer_types(text), text.hidden_size, stores_embeddings=vision is not None,
+                   mixer=_mixer(getattr(config, "architectures", None) or ()))
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -78,7 +100,8 @@ class HybridLayout:
             vision = raw.get("vision_config")
             if vision is not None:
                 _require_no_deepstack(vision.get("deepstack_visual_indexes") or [])
-            return cls(_layer_types(_Attrs(text)), text["hidden_size"], stores_embeddings=vision is not None)
+            return cls(_layer_types(_Attrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
+                       mixer=_mixer(raw.get("architectures") or ()))
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -87,6 +110,9 @@ class HybridLayout:
         if LINEAR not in self.layer_types:
             raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers; "
                              f"{model_path} has none. Supported: {SUPPORTED}")
+        if self.mixer == MAMBA2 and MOE in self.layer_types:
+            raise ValueError(f"--enable-tail-replay does not replay Nemotron-H's MoE layers (E in "
+                             f"hybrid_override_pattern) yet: {model_path}. Supported: {SUPPORTED}")
         return self
 
 
@@ -103,7 +129,17 @@ class _Attrs:
         self.__dict__.update(d)
 
 
+def _mixer(architectures) -> str:
+    return MAMBA2 if any(a in MAMBA2_ARCHITECTURES for a in architectures) else GDN
+
+
 def _layer_types(text_config) -> tuple[str, ...]:
+    pattern = getattr(text_config, "hybrid_override_pattern", None)
+    if pattern:  # Nemotron-H as NVIDIA writes it
+        return tuple(PATTERN_KINDS[c] for c in pattern)
+    blocks = getattr(text_config, "layers_block_type", None)
+    if blocks:  # Nemotron-H as transformers 5 writes it
+        return tuple(BLOCK_KINDS[b] for b in blocks)
     types = getattr(text_config, "layer_types", None)
     if types:
         return tuple(types)

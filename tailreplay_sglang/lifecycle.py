@@ -67,7 +67,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
 def anchor_bytes(pool, layout: HybridLayout) -> int:
     """Bytes of one mamba slot (conv + SSM state of every GDN layer): what each anchor costs."""
     total = 0
-    for layer_id in (i for g in layout.groups for i in g.gdn_layers):
+    for layer_id in (i for g in layout.groups for i in g.recurrent_layers):
         cache = pool.mamba2_layer_cache(layer_id)
         total += sum(c[0].numel() * c.element_size() for c in cache.conv)
         total += cache.temporal[0].numel() * cache.temporal.element_size()

@@ -12,7 +12,7 @@ import sys
 
 from tailreplay_sglang.config import (ANCHOR_KEEP, H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
                                       TailReplayConfigError)
-from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.layout import MAMBA2, HybridLayout
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,26 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
     _check_combination(args)
     cfg = dataclasses.replace(cfg, hidden_tier=_hidden_tier(cfg, args))
     try:
-        HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
+        layout = HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
     except ValueError as e:
         raise TailReplayConfigError(str(e)) from None
-    return cfg
+    return _for_mixer(cfg, layout, given)
+
+
+def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout, given: dict) -> TailReplayConfig:
+    """Interval anchors are written from the GDN prefill's per-chunk states; SGLang's Mamba2 scan counts its chunks
+    over the packed batch instead (on a GPU), which they are not read from yet. Mamba2 models keep the anchors
+    requests and prefill chunks end at, and an explicit interval is refused rather than ignored. Their exact budget
+    defaults to the GDN default interval, 512 tokens: a hit that far from its nearest state (the root's zero state
+    included) still replays exactly."""
+    if layout.mixer != MAMBA2:
+        return cfg
+    if given.get("tail_replay_anchor_interval"):
+        raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: interval anchors are "
+                                    f"written from Gated DeltaNet prefills only; a Mamba2 model (Nemotron-H) keeps "
+                                    f"the anchors where requests and prefill chunks end (use 0)")
+    budget = cfg.exact_budget if "tail_replay_exact_budget" in given else TailReplayConfig.anchor_interval
+    return dataclasses.replace(cfg, anchor_interval=0, exact_budget=budget)
 
 
 def _check_version() -> None:

@@ -25,9 +25,11 @@ import torch
 
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
+from tailreplay_sglang.layout import MAMBA2
 from tailreplay_sglang.ops.gdn import gdn_gating
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
+from tailreplay_sglang.replay_mamba2 import replay_mixer
 from tailreplay_sglang.cache.pending import Match, PendingReplays
 from tailreplay_sglang.store.transfer import HostToDevice
 
@@ -88,9 +90,30 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
             x = model.embed_tokens(inputs[key])
         else:
             x = store.decode(inputs[key], dtype)
-        for i, layer_id in enumerate(group.gdn_layers):
-            last = i == len(group.gdn_layers) - 1
+        if store.layout.mixer == MAMBA2:
+            replay_mamba2_group(model, pool, group, x, batch)
+            continue
+        for i, layer_id in enumerate(group.recurrent_layers):
+            last = i == len(group.recurrent_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
+
+
+def replay_mamba2_group(model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
+    """A Nemotron-H group: its stages in order, each Mamba2 layer norm -> mixer (`replay_mamba2`) with its states
+    written into the slots, each MLP layer norm -> MLP; the last Mamba2 layer computes only its states."""
+    chunk_size = model.config.mamba_chunk_size
+    for layer_id in group.layers:
+        layer = model.layers[layer_id]
+        if layer_id not in group.recurrent_layers:  # an MLP stage between two Mamba2 stages
+            x = x + _tp_reduced(layer.mixer(layer.norm(x)), layer.mixer.down_proj)
+            continue
+        last = layer_id == group.recurrent_layers[-1]
+        out, log_decay = replay_mixer(layer.mixer, pool.mamba2_layer_cache(layer_id), layer.norm(x),
+                                      batch.cu_seqlens, batch.tail_lens, batch.mamba_slots, chunk_size, last)
+        batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(log_decay, batch))
+        if last:
+            return
+        x = x + _tp_reduced(out, layer.mixer.out_proj)
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):

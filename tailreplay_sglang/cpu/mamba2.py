@@ -38,7 +38,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     want = None
     if return_track_states and track_end_locs is not None and track_end_locs.numel():
         cu = cu_seqlens.tolist()  # track ends are packed positions: the state after tokens cu[s]:end of sequence s
-        want = [(s, e - cu[s]) for s, e in zip(track_seq_idx.tolist(), track_end_locs.tolist())]
+        want = [(s, e) for s, e in zip(track_seq_idx.tolist(), track_end_locs.tolist())]
     dt_p = ssd.process_dt(dt[0], dt_bias, dt_softplus, tuple(dt_limit))
     y, finals, chunks, track = ssd.chunk_scan(x[0], dt_p, A, B[0], C[0], chunk_size, D, initial_states,
                                               cu_seqlens if cu_seqlens is not None else None, want)
