@@ -203,15 +203,15 @@ def replay(model, layout: HybridLayout, h2d: HostToDevice, ids, hiddens: dict, k
     layers, device = model.model.layers, ids.device
     cu_seqlens = torch.arange(2, device=device) * k  # one tail [0, k); built on the device, no host sync
     slots = torch.zeros(1, dtype=torch.int64, device=device)
-    pools = {i: _zero_pools(layers[i].linear_attn, model.dtype, device) for g in layout.groups for i in g.gdn_layers}
+    pools = {i: _zero_pools(layers[i].linear_attn, model.dtype, device) for g in layout.groups for i in g.recurrent_layers}
     for group in layout.groups:
         if k == 0:
             break
         key = ("hidden", group.index) if group.index in hiddens else "ids"
         h2d.wait(key)
         x = hiddens[group.index] if group.index in hiddens else model.model.embed_tokens(ids)
-        for j, layer_id in enumerate(group.gdn_layers):
-            state_only = skip and j == len(group.gdn_layers) - 1
+        for j, layer_id in enumerate(group.recurrent_layers):
+            state_only = skip and j == len(group.recurrent_layers) - 1
             x = replay_layer(layers[layer_id], x, cu_seqlens, slots, *pools[layer_id], k, state_only)
     # the pools' layouts -> transformers': conv state one column wider (its first column never reaches an output),
     # recurrent state [HV, K, V] instead of SGLang's [HV, V, K]

@@ -40,6 +40,11 @@ def tiny_olmo_hybrid() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_nemotron_h() -> Path:
+    return build_model("tiny-nemotron-h", MODELS_DIR / "tiny-nemotron-h")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen35_vl() -> Path:
     return build_model("tiny-qwen35-vl", MODELS_DIR / "tiny-qwen35-vl")
 

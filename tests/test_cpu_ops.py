@@ -1,5 +1,6 @@
 """CPU ops (tailreplay_sglang.cpu) against float64 token-by-token references, float32 relative error < 1e-5."""
 
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
-from tailreplay_sglang.cpu import fused
+from tailreplay_sglang.cpu import fused, mamba2
 from tailreplay_sglang.ops import conv, gdn, naive
 
 TOL = 1e-5
@@ -385,3 +386,213 @@ def test_thread_bind_strings_parse_like_linux_cpulists():
     assert parse_cpu_list("2,0-1") == [0, 1, 2]
     with pytest.raises(ValueError, match="SGLANG_CPU_OMP_THREADS_BIND"):
         parse_cpu_list("")
+
+
+# ---- Mamba2 (SSD): cpu.mamba2's SGLang-signature wrappers against the float64 recurrence (naive.naive_ssd) ----
+
+# (lengths of the packed sequences, chunk size, heads H, head dim P, state size N, groups G)
+SSD_CASES = [
+    pytest.param([1], 64, 2, 4, 8, 1, id="T1-c64-H2"),
+    pytest.param([63], 64, 4, 8, 16, 2, id="T63-c64-G2"),
+    pytest.param([65, 3], 64, 4, 16, 8, 4, id="varlen-T65,3-c64-G4"),
+    pytest.param([1, 130, 64, 7], 16, 8, 8, 16, 2, id="varlen4-c16-H8G2"),
+    pytest.param([1, 130, 64, 7], 64, 4, 4, 8, 1, id="varlen4-c64-G1"),
+    pytest.param([200], 16, 2, 16, 16, 2, id="T200-c16"),
+]
+
+
+def _ssd_inputs(lengths, H, P, N, G, slots=12):
+    """Packed inputs as the mixer passes them: x [1, T, H, P], raw dt [1, T, H] (bias and softplus applied by the
+    op), A [H] < 0, B, C [1, T, G, N], D [H], a pool of nonzero states, slots and cu_seqlens."""
+    T = sum(lengths)
+    x = torch.randn(1, T, H, P)
+    dt = torch.randn(1, T, H) - 2  # softplus(dt + dt_bias) ~ 0.02..0.5
+    dt_bias = torch.randn(H) * 0.5
+    A = -torch.rand(H) * 0.5 - 0.05  # per-token decays exp(dt A) mostly above 0.9: states keep memory across chunks
+    B, C = torch.randn(1, T, G, N), torch.randn(1, T, G, N)
+    D = torch.randn(H)
+    pool = torch.randn(slots, H, P, N) * 0.5  # nonzero initial states
+    idx = torch.randperm(slots)[: len(lengths)]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # SGLang's query_start_loc
+    return x, dt, dt_bias, A, B, C, D, pool, idx, cu
+
+
+def _ssd_reference(x, dt, dt_bias, A, B, C, D, state, s, e, dt_limit=None):
+    """Packed tokens s:e from `state` through the float64 recurrence: (y [e - s, H, P], state after them)."""
+    rep = x.shape[2] // B.shape[2]
+    dt64 = F.softplus(dt[0, s:e].double() + dt_bias.double())
+    if dt_limit is not None:
+        dt64 = dt64.clamp(*dt_limit)
+    B64, C64 = (t[0, s:e].double().repeat_interleave(rep, dim=1) for t in (B, C))
+    return naive.naive_ssd(x[0, s:e].double(), dt64, A.double(), B64, C64, D.double(), state.double())
+
+
+def _scan(x, dt, dt_bias, A, B, C, D, initial_states, cu, chunk, track_seq_idx=None, track_end_locs=None,
+          dt_limit=(0.0, float("inf"))):
+    """mamba_chunk_scan_combined called as the mixer's prefill calls it: (out, per-chunk states, varlen final states,
+    track states)."""
+    out = torch.full_like(x, float("nan"))
+    chunks, finals, track = mamba2.mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size=chunk, D=D, z=None, dt_bias=dt_bias, seq_idx=None, chunk_indices=None,
+        chunk_offsets=None, cu_seqlens=cu, initial_states=initial_states, return_varlen_states=True,
+        return_final_states=False, return_track_states=True, track_seq_idx=track_seq_idx,
+        track_end_locs=track_end_locs, dt_softplus=True, dt_limit=dt_limit, out=out, state_dtype=torch.float32)
+    return out, chunks, finals, track
+
+
+@pytest.mark.parametrize("lengths,chunk,H,P,N,G", SSD_CASES)
+def test_mamba_chunk_scan_combined_matches_recurrence(lengths, chunk, H, P, N, G):
+    """`out`, the varlen final states and the per-chunk states equal the float64 recurrence of each sequence. The
+    per-chunk states are one grid over the packed batch (how SGLang's extra_buffer reads Mamba2's: h[end // chunk]):
+    row k is the state at packed position k * chunk of the sequence holding it (its initial state at its start)."""
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G)
+    out, chunks, finals, track = _scan(x, dt, dt_bias, A, B, C, D, pool[idx], cu, chunk)
+    assert track is None
+    T = sum(lengths)
+    assert chunks.shape == (1, -(-T // chunk), H, P, N)
+    assert finals.shape == (len(lengths), H, P, N)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    for i, (s, e) in enumerate(bounds):
+        ref_y, ref_state = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[i]], s, e)
+        assert rel_err(out[0, s:e], ref_y) < TOL, i
+        assert rel_err(finals[i], ref_state) < TOL, i
+    for k, position in enumerate(range(0, T, chunk)):
+        i, (s, e) = next((i, b) for i, b in enumerate(bounds) if b[0] <= position < b[1])
+        state = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[i]], s, position)[1]
+        assert rel_err(chunks[0, k], state) < TOL, (k, i, position)
+
+
+def test_mamba2_chunk_grid_spans_sequences_as_sglang_reads_it():
+    """The case SGLang's extra_buffer plan hits: lengths [32, 32, 100], 64-token chunks, sequence 2 tracked after 64
+    of its tokens -> h_src = (64 + 64) // 64 = 2 must hold sequence 2's state after 64 tokens, not its initial state."""
+    lengths, chunk, H, P, N, G = [32, 32, 100], 64, 2, 4, 8, 1
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G)
+    _, chunks, _, _ = _scan(x, dt, dt_bias, A, B, C, D, pool[idx], cu, chunk)
+    state = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[2]], 64, 128)[1]
+    assert rel_err(chunks[0, 128 // chunk], state) < TOL
+    assert rel_err(chunks[0, 1], pool[idx[2]]) < TOL  # position 64 is sequence 2's start: its initial state
+
+
+def test_mamba_chunk_scan_combined_track_states_are_the_states_at_the_end_locs():
+    """Tracked ends are packed positions: entry j is sequence track_seq_idx[j]'s state after
+    track_end_locs[j] - cu_seqlens[seq] of its tokens (mid-chunk, on a chunk boundary, at the sequence's start, at
+    its end), in the order asked."""
+    lengths, chunk, H, P, N, G = [100, 40, 64, 30], 32, 4, 8, 16, 2
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G)
+    # cu = [0, 100, 140, 204, 234]
+    asked = [(0, 45), (0, 64), (2, 204), (1, 100), (1, 132), (0, 100), (3, 221), (1, 111)]
+    seq_idx = torch.tensor([s for s, _ in asked])
+    end_locs = torch.tensor([e for _, e in asked])
+    out, chunks, finals, track = _scan(x, dt, dt_bias, A, B, C, D, pool[idx], cu, chunk, seq_idx, end_locs)
+    assert track.shape == (1, len(asked), H, P, N)
+    for j, (seq, end) in enumerate(asked):
+        start = int(cu[seq])
+        assert start <= end <= int(cu[seq + 1])
+        ref = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[seq]], start, end)[1]
+        assert rel_err(track[0, j], ref) < TOL, (seq, end)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):  # tracking changes nothing else
+        ref_y, ref_state = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[i]], s, e)
+        assert rel_err(out[0, s:e], ref_y) < TOL and rel_err(finals[i], ref_state) < TOL
+
+
+@pytest.mark.parametrize("dt_limit", [(0.0, 0.05), (0.03, 0.2)], ids=["max0.05", "min0.03-max0.2"])
+def test_mamba_chunk_scan_combined_clamps_dt_to_dt_limit(dt_limit):
+    lengths, chunk = [70, 9], 16
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, 4, 8, 8, 2)
+    dt = dt * 1.5  # softplus(dt + bias) on both sides of either limit
+    out, _, finals, _ = _scan(x, dt, dt_bias, A, B, C, D, pool[idx], cu, chunk, dt_limit=dt_limit)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_y, ref_state = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[i]], s, e, dt_limit)
+        assert rel_err(out[0, s:e], ref_y) < TOL and rel_err(finals[i], ref_state) < TOL
+        unclamped_y, _ = _ssd_reference(x, dt, dt_bias, A, B, C, D, pool[idx[i]], s, e)
+        assert rel_err(unclamped_y, ref_y) > 1e-3  # the limit matters in this case
+
+
+def _decode_args(dt, A, dt_bias, D, P, N):
+    """dt, A, dt_bias and D expanded as the mixer's decode expands them for the kernel."""
+    return (dt[:, :, None].expand(-1, -1, P), A[:, None, None].expand(-1, P, N).float(),
+            dt_bias[:, None].expand(-1, P), D[:, None].expand(-1, P))
+
+
+def test_selective_state_update_is_one_recurrence_step_on_each_slot():
+    """One decode token per row: out = one step of the recurrence from the row's slot, the slot holds the state after
+    it; the padded row (-1) outputs zeros and writes no slot (not the last one either)."""
+    H, P, N, G, slots = 4, 8, 16, 2, 9
+    pool = torch.randn(slots, H, P, N)
+    before = pool.clone()
+    idx = torch.tensor([5, -1, 2, 7])
+    b = len(idx)
+    x, dt = torch.randn(1, b, H, P), torch.randn(1, b, H) - 2
+    dt_bias, A, D = torch.randn(H) * 0.5, -torch.rand(H) - 0.05, torch.randn(H)
+    B, C = torch.randn(1, b, G, N), torch.randn(1, b, G, N)
+    out = torch.randn(b, H, P)
+    dt_d, A_d, dt_bias_d, D_d = _decode_args(dt[0], A, dt_bias, D, P, N)
+    mamba2.selective_state_update(pool, x[0], dt_d, A_d, B[0], C[0], D_d, z=None, dt_bias=dt_bias_d,
+                                  dt_softplus=True, state_batch_indices=idx, out=out)
+    for r, slot in enumerate(idx.tolist()):
+        if slot < 0:
+            assert torch.equal(out[r], torch.zeros(H, P))
+            continue
+        ref_y, ref_state = _ssd_reference(x, dt, dt_bias, A, B, C, D, before[slot], r, r + 1)
+        assert rel_err(out[r], ref_y[0]) < TOL, r
+        assert rel_err(pool[slot], ref_state) < TOL, r
+    untouched = [s for s in range(slots) if s not in idx.tolist()]
+    assert slots - 1 in untouched
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_mamba2_decode_continues_chunked_prefill():
+    """Chunked prefill of two packed sequences (one with an initial state), their varlen final states written to
+    their slots as the mixer does, then 3 batched decode steps == the recurrence over each whole sequence."""
+    H, P, N, G, chunk, steps = 4, 8, 16, 2, 16, 3
+    lengths = [50 + steps, 70 + steps]
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G, slots=6)
+    initial = pool[idx].clone()
+    initial[1] = 0  # a new sequence: no prefix state
+    before = pool.clone()
+    prefill = torch.cat([torch.arange(s, e - steps) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    cu_p = torch.tensor([0] + [n - steps for n in lengths]).cumsum(0).to(torch.int32)
+    out_p, _, finals, _ = _scan(x[:, prefill], dt[:, prefill], dt_bias, A, B[:, prefill], C[:, prefill], D, initial,
+                                cu_p, chunk)
+    pool[idx] = finals
+    dt_bias_d = dt_bias[:, None].expand(-1, P)
+    outs = []
+    for t in range(steps):
+        rows = (cu[1:] - steps + t).long()  # token t of the decode tail of each sequence
+        dt_d, A_d, _, D_d = _decode_args(dt[0, rows], A, dt_bias, D, P, N)
+        out = torch.empty(len(lengths), H, P)
+        mamba2.selective_state_update(pool, x[0, rows], dt_d, A_d, B[0, rows], C[0, rows], D_d, z=None,
+                                      dt_bias=dt_bias_d, dt_softplus=True, state_batch_indices=idx, out=out)
+        outs.append(out)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_y, ref_state = _ssd_reference(x, dt, dt_bias, A, B, C, D, initial[i], s, e)
+        assert rel_err(out_p[0, cu_p[i]:cu_p[i + 1]], ref_y[:-steps]) < TOL, i
+        assert rel_err(torch.stack([o[i] for o in outs]), ref_y[-steps:]) < TOL, i
+        assert rel_err(pool[idx[i]], ref_state) < TOL, i
+    others = [s for s in range(len(pool)) if s not in idx.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+
+MAMBA2_INSTALL_CHECK = """
+import sglang.srt.layers.attention.mamba.mamba as mixer
+from tailreplay_sglang.cpu import mamba2
+mamba2.install()
+assert mixer.__name__ == mamba2.MIXER_MODULE
+for name, fn in [("causal_conv1d_fn", mamba2.causal_conv1d_fn), ("causal_conv1d_fn_triton", mamba2.causal_conv1d_fn),
+                 ("causal_conv1d_update", mamba2.causal_conv1d_update),
+                 ("causal_conv1d_update_triton", mamba2.causal_conv1d_update),
+                 ("mamba_chunk_scan_combined", mamba2.mamba_chunk_scan_combined),
+                 ("selective_state_update", mamba2.selective_state_update)]:
+    assert getattr(mixer, name, None) is fn, name
+print("ok")
+"""
+
+
+def test_mamba2_install_binds_the_mixer_kernel_names_under_the_cpu_engine():
+    """In a fresh SGLANG_USE_CPU_ENGINE=1 interpreter (SGLang's mixer module binds none of the conv names there and
+    its Triton scan cannot run), `install` binds all six names the mixer calls to cpu.mamba2."""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    out = subprocess.run([sys.executable, "-c", MAMBA2_INSTALL_CHECK], capture_output=True, text=True, timeout=180,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")

@@ -7,6 +7,8 @@ the causal conv (both of SGLang's spellings, on `ops.conv`) and the SSD scan and
 argument order and return shapes of SGLang's Triton kernels.
 """
 
+import bisect
+
 import torch
 
 from tailreplay_sglang.ops import conv, ssd
@@ -32,16 +34,23 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               return_varlen_states=False, return_intermediate_states=False, state_dtype=None,
                               return_track_states=False, track_seq_idx=None, track_end_locs=None):
     """SGLang's `mamba_chunk_scan_combined` (batch 1, packed): fills `out` and returns what the flags ask for.
-    The per-chunk states are counted per sequence (each sequence's chunks start at its first token)."""
+
+    The per-chunk states are one grid over the packed batch, as SGLang's Triton scan lays them out and its
+    extra_buffer tracking reads them (`h[end // chunk_size]`, `prefill_track_metadata.py`): row k is the state at
+    packed position k * chunk_size of the sequence holding that position (its initial state where it starts
+    there). Tracked ends are packed positions too."""
     if x.shape[0] != 1:
         raise NotImplementedError("CPU mamba_chunk_scan_combined: packed batch 1 only (what SGLang passes)")
-    want = None
+    T = x.shape[1]
+    cu = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    grid = [_in_sequence(cu, p) for p in range(0, T, chunk_size)]
+    tracked = []
     if return_track_states and track_end_locs is not None and track_end_locs.numel():
-        cu = cu_seqlens.tolist()  # track ends are packed positions: the state after tokens cu[s]:end of sequence s
-        want = [(s, e) for s, e in zip(track_seq_idx.tolist(), track_end_locs.tolist())]
+        tracked = [(s, e - cu[s]) for s, e in zip(track_seq_idx.tolist(), track_end_locs.tolist())]
     dt_p = ssd.process_dt(dt[0], dt_bias, dt_softplus, tuple(dt_limit))
-    y, finals, chunks, track = ssd.chunk_scan(x[0], dt_p, A, B[0], C[0], chunk_size, D, initial_states,
-                                              cu_seqlens if cu_seqlens is not None else None, want)
+    y, finals, _, at = ssd.chunk_scan(x[0], dt_p, A, B[0], C[0], chunk_size, D, initial_states, cu_seqlens,
+                                      grid + tracked)
+    chunks, track = at[:len(grid)], (at[len(grid):] if tracked else None)
     if z is not None:
         y = y * torch.nn.functional.silu(z[0].float())
     if out is not None:
@@ -61,6 +70,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if out is None:
         rest.insert(0, y.unsqueeze(0).to(x.dtype))
     return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
+
+
+def _in_sequence(cu: list[int], position: int) -> tuple[int, int]:
+    """(sequence, offset within it) of a packed position."""
+    seq = bisect.bisect_right(cu, position) - 1
+    return seq, position - cu[seq]
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,

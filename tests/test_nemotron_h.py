@@ -1,0 +1,159 @@
+"""Nemotron-H (Mamba2 mixers, MLP stages, attention) served by the real SGLang server on CPU: stock against HF
+transformers, and Tail-Replay's hits against the server's own no-cache prefill.
+
+The checkpoint is `tiny-nemotron-h` (pattern M-M*-MM-*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0
+replays an MLP stage between two Mamba2 layers, group 1 starts with an MLP stage, and HF's Mamba2 init gives heads
+memories from 1 to about 1000 tokens, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run
+this model on a CPU at all ("name 'causal_conv1d_fn_triton' is not defined"); `cpu/mamba2.py` gives it its ops.
+
+Mamba2 models keep anchors where requests and prefill chunks end (no interval anchors), so the mechanics servers
+prefill in 128-token chunks: a fork at 300 replays [256, 300) from the chunk-end state at 256.
+"""
+
+import concurrent.futures
+
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import (EXACT_TOL, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate, max_error,
+                     no_cache, random_ids, scored, start_servers)
+from soak import pool_leaks, wait_idle
+from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+NEW = 12
+LOGPROB_TOL = 1e-3  # what tests/test_server.py asks of Qwen3.5
+MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--chunked-prefill-size", "128",
+             "--enable-cache-report", "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_nemotron_h):
+    return load_hf_model(tiny_nemotron_h), AutoTokenizer.from_pretrained(tiny_nemotron_h)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_nemotron_h, tmp_path_factory):
+    """Started together: stock; Tail-Replay replaying every span (mechanics); the paper's zero-init tail (no
+    anchors); Tail-Replay's defaults on SGLang's GPU scheduling (extra_buffer, overlap scheduler)."""
+    yield from start_servers(tmp_path_factory, {
+        "stock": Spec(tiny_nemotron_h),
+        "anchored": Spec(tiny_nemotron_h, MECHANICS),
+        "paper": Spec(tiny_nemotron_h, (*MECHANICS, "--tail-replay-exact-budget", "0")),
+        "production": Spec(tiny_nemotron_h, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
+                           kwargs={"gpu_scheduling": True}),
+    })
+
+
+# ---- stock SGLang: the model itself ----
+
+def test_stock_matches_hf_greedy_fresh_and_on_its_own_hit(servers, hf):
+    model, _ = hf
+    stock = servers["stock"]
+    for n, seed in ((5, 1), (70, 2), (300, 3)):  # within one 64-token chunk, across chunks, across several
+        ids = random_ids(n, seed)
+        out = generate(stock, ids, NEW)
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+    longer = ids + random_ids(40, 4)  # stock no_buffer hits where the 300-token request ended
+    out = generate(stock, longer, NEW)
+    assert out["meta_info"]["cached_tokens"] >= 300
+    assert out["output_ids"] == greedy_generate(model, longer, NEW)
+
+
+def test_stock_prompt_logprobs_match_hf(servers, hf):
+    model, _ = hf
+    ids = random_ids(200, 5)
+    out = generate(servers["stock"], ids, 1, return_logprob=True, logprob_start_len=0)
+    reference = prompt_logprobs(model, ids)
+    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    assert len(served) == len(reference)
+    assert max(abs(a - b) for a, b in zip(served, reference)) < LOGPROB_TOL
+
+
+# ---- Tail-Replay: hits replayed through the Mamba2 and MLP stages ----
+
+def test_resend_starts_at_the_finish_anchor_and_equals_no_cache(servers):
+    server = servers["anchored"]
+    flush_cache(server.base_url)
+    prompt = random_ids(600, seed=11)
+    answer = generate(server, prompt, 8)["output_ids"]
+    kept = len(prompt) + len(answer) - 1
+    ids = prompt + answer + random_ids(12, seed=12)
+    hit = scored(server, ids, kept)
+    assert hit["meta"]["cached_tokens"] == kept == hit["meta"]["tail_replay_anchor"]
+    assert hit["meta"]["tail_replay_tokens"] == 0 and hit["meta"]["tail_replay_exact"] is True
+    assert_exact(hit, no_cache(server, ids, kept))
+
+
+@pytest.mark.parametrize("fork,anchor", [(100, 0), (300, 256), (560, 512)])
+def test_fork_replays_from_the_nearest_chunk_end_and_equals_no_cache(servers, hf, fork, anchor):
+    """A fork mid-prefix: the nearest kept state is the chunk end below it (the root's zero state for the first
+    chunk); the replay runs the Mamba2 and MLP stages from there and equals the server's no-cache prefill and HF."""
+    server, (model, _) = servers["anchored"], hf
+    flush_cache(server.base_url)
+    prompt = random_ids(600, seed=21)
+    generate(server, prompt, 1)
+    ids = prompt[:fork] + random_ids(40, seed=fork)
+    hit = scored(server, ids, fork)
+    assert_anchored_hit(hit["meta"], fork, fold=0)
+    assert hit["meta"]["tail_replay_anchor"] == anchor
+    assert_exact(hit, no_cache(server, ids, fork))
+    assert generate(server, ids, NEW)["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_zero_init_tail_is_approximate_and_anchored_replay_is_not(servers):
+    """The paper's mode on the same fork: a 64-token zero-init tail misses by more than the exact tolerance (so the
+    exact checks above can fail), and says it is approximate."""
+    prompt, fork = random_ids(600, seed=31), 560
+    ids = prompt[:fork] + random_ids(40, seed=32)
+    errors = {}
+    for name in ("paper", "anchored"):
+        server = servers[name]
+        flush_cache(server.base_url)
+        generate(server, prompt, 1)
+        hit = scored(server, ids, fork)
+        assert hit["meta"]["tail_replay_exact"] is (name == "anchored")
+        errors[name] = max_error(hit, no_cache(server, ids, fork))
+    assert errors["anchored"] < EXACT_TOL < errors["paper"], errors
+
+
+def test_multi_turn_and_eight_concurrent_hits(servers, hf):
+    server, (model, tok) = servers["anchored"], hf
+    check_multi_turn(server, model, tok, "the old sailor carried the wooden boxes near the harbour", NEW)
+    system = random_ids(400, seed=41)
+    generate(server, system, 1)
+    prompts = [system + random_ids(10 + i, seed=50 + i) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: generate(server, p, NEW), prompts))
+    for ids, out in zip(prompts, outs):
+        assert out["meta_info"]["cached_tokens"] >= len(system)
+        assert out["meta_info"]["tail_replay_exact"] is True
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+    assert pool_leaks(wait_idle(server.base_url)) == []
+
+
+# ---- SGLang's GPU default path: extra_buffer with the overlap scheduler, Tail-Replay's defaults ----
+
+def test_production_path_chat_turns_and_forks_are_exact(servers):
+    """Track states every 64 tokens; a hit within 64 tokens of one folds into the extend, a farther one replays
+    from it. Each equals the server's own no-cache prefill."""
+    server = servers["production"]
+    flush_cache(server.base_url)
+    turn = random_ids(300, seed=61)
+    for i in range(3):  # chat turns: the previous turn, its answer and a new question
+        answer = generate(server, turn, 8)["output_ids"]
+        turn = turn + answer + random_ids(30, seed=62 + i)
+        matched = len(turn) - 30 - 1
+        hit = scored(server, turn, matched)
+        assert hit["meta"]["tail_replay_exact"] is True
+        assert_exact(hit, no_cache(server, turn, matched))
+        generate(server, turn, 1)  # back in the tree for the next turn
+    doc = random_ids(500, seed=71)
+    generate(server, doc, 1)
+    ids = doc[:450] + random_ids(20, seed=72)
+    hit = scored(server, ids, 450)
+    assert_anchored_hit(hit["meta"], 450)
+    assert_exact(hit, no_cache(server, ids, 450))
