@@ -67,3 +67,38 @@ def test_deepstack_visual_features_are_refused(tiny_qwen35_vl, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"deepstack_visual_indexes=\[0, 1\]\). Supported: Qwen3.5"):
         HybridLayout.from_model_path(str(path))
+
+
+def test_nemotron_h_pattern_groups_cut_after_their_last_mamba2_layer(tiny_nemotron_h):
+    """M-M*-MM-*M- : group 0 replays the MLP between its Mamba2 layers, group 1 starts with an MLP stage, and MLP
+    stages after a group's last Mamba2 layer are not replayed."""
+    from tailreplay_sglang.layout import MAMBA2
+
+    lay = HybridLayout.from_model_path(str(tiny_nemotron_h))
+    assert lay.mixer == MAMBA2
+    assert [(g.layers, g.recurrent_layers) for g in lay.groups] == [((0, 1, 2), (0, 2)), ((4, 5, 6), (5, 6)),
+                                                                    ((9,), (9,))]
+    assert [g.first_layer for g in lay.stored_groups] == [4, 9]
+
+
+def test_nemotron_h_moe_layers_and_interval_anchors_are_refused(tiny_nemotron_h, tmp_path):
+    import json
+    import shutil
+
+    import pytest
+
+    from tailreplay_sglang import plugin
+    from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
+
+    path = tmp_path / "moe"
+    shutil.copytree(tiny_nemotron_h, path)
+    config = json.loads((path / "config.json").read_text())
+    config["hybrid_override_pattern"] = "MEM*EMMEM*E"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MoE layers .* Supported: Qwen3.5"):
+        HybridLayout.from_model_path(str(path)).require_hybrid(str(path))
+    lay = HybridLayout.from_model_path(str(tiny_nemotron_h))
+    with pytest.raises(TailReplayConfigError, match="--tail-replay-anchor-interval 512: interval anchors"):
+        plugin._for_mixer(TailReplayConfig(enabled=True, anchor_interval=512), lay, {"tail_replay_anchor_interval": 512})
+    cfg = plugin._for_mixer(TailReplayConfig(enabled=True), lay, {})
+    assert (cfg.anchor_interval, cfg.exact_budget) == (0, 512)
