@@ -185,6 +185,13 @@ PRESETS: dict[str, Preset] = {
         model_type="nemotron_h", **dict(TINY, num_hidden_layers=11),
         mamba2=Mamba2(pattern="M-M*-MM-*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
     ),
+    # Granite-4.0-H (granitemoehybrid, Mamba2): Mamba2 and attention mixers each with a MoE and a shared MLP in the
+    # same layer, and Granite 4's multipliers (embedding 12, residual 0.22, attention 1/128).
+    "tiny-granite-4.0-h": Preset(
+        model_type="granitemoehybrid", **TINY,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+        mamba2=Mamba2(pattern="MMM*MMM*", num_heads=8, head_dim=16, n_groups=1, state_size=16),
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -363,6 +370,28 @@ def nemotron_h_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     )
 
 
+def granite_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' GraniteMoeHybridConfig as Granite-4.0-H ships it: layer_types mamba / attention, no position
+    embeddings, Granite 4's embedding, residual and attention multipliers (a replay that drops one is wrong). The
+    logits are not scaled down (the replay never reaches the head, and a divisor would shrink every log-prob error
+    the tests measure by as much)."""
+    m, moe = preset.mamba2, preset.moe
+    return AutoConfig.for_model(
+        "granitemoehybrid", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=moe.moe_intermediate_size, shared_intermediate_size=moe.shared_expert_intermediate_size,
+        num_local_experts=moe.num_experts, num_experts_per_tok=moe.num_experts_per_tok,
+        num_hidden_layers=len(m.pattern), layer_types=["mamba" if c == "M" else "attention" for c in m.pattern],
+        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
+        position_embedding_type="nope", mamba_n_heads=m.num_heads, mamba_d_head=m.head_dim,
+        mamba_n_groups=m.n_groups, mamba_d_state=m.state_size, mamba_d_conv=4,
+        mamba_expand=m.num_heads * m.head_dim // preset.hidden_size, mamba_chunk_size=m.chunk_size,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 128,
+        logits_scaling=1.0, max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def nvidia_config_fields(config: dict) -> dict:
     """config.json as NVIDIA writes Nemotron-H's: the layer pattern as `hybrid_override_pattern` (transformers 5
     writes `layers_block_type`), and the Mamba2 sizes under both of the names SGLang's and transformers' configs
@@ -381,6 +410,8 @@ def nvidia_config_fields(config: dict) -> dict:
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     if preset.model_type == "nemotron_h":
         return nemotron_h_config(preset, tokenizer)
+    if preset.model_type == "granitemoehybrid":
+        return granite_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
     if preset.vision is not None:
@@ -431,14 +462,16 @@ def _init_gdn_gates(model: PreTrainedModel) -> None:
 
 
 @torch.no_grad()
-def _init_mamba2_gates(model: PreTrainedModel) -> None:
+def _init_mamba2_gates(model: PreTrainedModel, unit_output: bool = False) -> None:
     """Nemotron-H's Mamba2 heads get the GDN presets' memories: per-token decay exp(dt A) with A = -1 and
     softplus(dt_bias) = 1 / tau, tau log-spaced over GDN_MEMORY_TOKENS across each layer's heads; input projection
     and conv taps of unit gain (std fan_in^-1/2), so x, B, C and the state's read-out S C are O(1) next to the skip
     term D x. With HF's init (in_proj and conv std 0.02, A = 1..H, dt in [0.001, 0.1]) the mixers added nothing
     measurable to the residual stream and a 64-token zero-init tail came within 3e-4 nats of the exact state: a
     test could not tell a dropped state from a replayed one. (With D = 0 as well, the gated norm divided near-zero
-    early outputs, and float32 rounding grew to 0.015 nats between SGLang and HF.)"""
+    early outputs, and float32 rounding grew to 0.015 nats between SGLang and HF.) `unit_output`: the output
+    projection too, for Granite-4.0-H, whose multipliers (embeddings x 12, mixer outputs x 0.22) otherwise left a
+    zero-init tail within 0.002 nats of the exact state."""
     low, high = (math.log10(tokens) for tokens in GDN_MEMORY_TOKENS)
     for module in model.modules():
         if hasattr(module, "A_log") and hasattr(module, "dt_bias") and hasattr(module, "conv1d"):
@@ -447,6 +480,8 @@ def _init_mamba2_gates(model: PreTrainedModel) -> None:
             module.A_log.zero_()
             module.in_proj.weight.normal_(0.0, module.in_proj.weight.shape[1] ** -0.5)
             module.conv1d.weight.normal_(0.0, module.conv1d.weight.shape[-1] ** -0.5)
+            if unit_output:
+                module.out_proj.weight.normal_(0.0, module.out_proj.weight.shape[1] ** -0.5)
 
 
 @torch.no_grad()
@@ -465,8 +500,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     _init_gdn_gates(model)
-    if config.model_type == "nemotron_h":
-        _init_mamba2_gates(model)
+    if config.model_type in ("nemotron_h", "granitemoehybrid"):
+        _init_mamba2_gates(model, unit_output=config.model_type == "granitemoehybrid")
     if config.model_type == "olmo_hybrid":
         _vary_norm_weights(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
@@ -507,9 +542,13 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors
-    if preset.mamba2 is not None:
-        config_file = staging / "config.json"
+    config_file = staging / "config.json"
+    if preset.model_type == "nemotron_h":
         config_file.write_text(json.dumps(nvidia_config_fields(json.loads(config_file.read_text())), indent=2) + "\n")
+    elif preset.model_type == "granitemoehybrid":  # as IBM ships Granite-4.0-H (transformers 5 writes HF's names)
+        config = json.loads(config_file.read_text())
+        config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
     marker = dict(record, num_parameters=model.num_parameters())
     # Written last: a directory without it is never mistaken for a finished build.
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")

@@ -9,9 +9,10 @@ Models whose decoder layers carry the whole residual stream in `hidden_states` (
 `layer(positions, hidden_states, forward_batch)`: its input is the value entering the group. With OLMo-Hybrid's
 post-norm attention layers that is the FA layer's output, norms included, the same quantity as for Qwen3.5.
 
-Nemotron-H's layers call their stages' `.forward` directly (no module hooks fire) and each starts with
-`layer.boundary.prepare(hidden_states, forward_batch)`, SGLang's fused add + norm, which leaves the value entering the
-layer in `forward_batch.residual_stream.residual`: that call is wrapped on the group's first layer instead.
+Mamba2 models' layers begin with SGLang's stage boundary, `prepare(hidden_states, forward_batch)` (fused add +
+norm), which leaves the value entering the layer in `forward_batch.residual_stream.residual`; Nemotron-H's layers
+are called through `.forward` (no module hooks fire). That call is wrapped on the group's first layer instead:
+`layer.boundary` on Nemotron-H, `layer.attn_boundary` on Granite-4.0-H.
 """
 
 from functools import partial
@@ -43,11 +44,19 @@ def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
     store.write_hidden(first_layer, forward_batch.out_cache_loc, hidden_states[:n])
 
 
+BOUNDARIES = ("boundary", "attn_boundary")  # the stage boundary a layer begins with: Nemotron-H's, Granite-4.0-H's
+
+
+def _entry_boundary(layer):
+    return next((getattr(layer, name) for name in BOUNDARIES if hasattr(layer, name)), None)
+
+
 class _StageInputCapture:
-    """Wraps one layer's `boundary.prepare` (Nemotron-H): after it, writes the tokens or the group input."""
+    """Wraps one layer's entry `prepare` (Mamba2 models): after it, writes the tokens or the group input."""
 
     def __init__(self, layer, store: HiddenStore, first_layer: int | None):
-        self.boundary, self.prepare = layer.boundary, layer.boundary.prepare
+        self.boundary = _entry_boundary(layer)
+        self.prepare = self.boundary.prepare
         self.store, self.first_layer = store, first_layer
         self.boundary.prepare = self
 
@@ -70,7 +79,7 @@ class _StageInputCapture:
 def install(layers, store: HiddenStore) -> list:
     """Register the hooks on the model's decoder layers; returns the handles."""
     groups = store.layout.groups
-    if hasattr(layers[groups[0].first_layer], "boundary"):  # Nemotron-H: stages, no module hooks
+    if _entry_boundary(layers[groups[0].first_layer]) is not None:  # Mamba2 models
         return [_StageInputCapture(layers[groups[0].first_layer], store, None)] + [
             _StageInputCapture(layers[g.first_layer], store, g.first_layer) for g in store.layout.stored_groups]
     handles = [layers[groups[0].first_layer].linear_attn.register_forward_pre_hook(partial(_capture_tokens, store))]

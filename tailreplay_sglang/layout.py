@@ -6,8 +6,9 @@ For each group after group 0 the store keeps, per token, the residual-stream val
 (the FA layer's output hidden); replaying a group needs nothing else.
 
 Two recurrent mixers (`HybridLayout.mixer`): Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid: each decoder layer is
-a GDN mixer and its MLP) and Mamba2 (Nemotron-H: every layer is one stage, a Mamba2 mixer `M`, attention `*`, MLP
-`-` or MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the run of layers between two
+a GDN mixer and its MLP) and Mamba2 (Granite-4.0-H: each layer a Mamba2 or attention mixer and its MoE + shared MLP,
+`layer_types` mamba / attention; Nemotron-H: every layer is one stage, a Mamba2 mixer `M`, attention `*`, MLP `-` or
+MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the run of layers between two
 attention layers cut after its last Mamba2 layer: the MLP layers between its Mamba2 layers feed them and are
 replayed, those after the last one feed nothing the states depend on.
 
@@ -25,13 +26,14 @@ from pathlib import Path
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 GDN, MAMBA2 = "gdn", "mamba2"
 SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid (Gated DeltaNet: "
-             "models whose config lists linear_attention layers), and Nemotron-H with MLP layers (Mamba2: "
-             "NemotronHForCausalLM, a hybrid_override_pattern of M, - and * layers)")
+             "models whose config lists linear_attention layers), Nemotron-H with MLP layers (Mamba2: "
+             "NemotronHForCausalLM, a hybrid_override_pattern of M, - and * layers) and Granite-4.0-H (Mamba2: "
+             "GraniteMoeHybridForCausalLM)")
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
                "moe": MOE}
-MAMBA2_ARCHITECTURES = ("NemotronHForCausalLM",)
+MAMBA2_ARCHITECTURES = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ def _layer_types(text_config) -> tuple[str, ...]:
     if blocks:  # Nemotron-H as transformers 5 writes it
         return tuple(BLOCK_KINDS[b] for b in blocks)
     types = getattr(text_config, "layer_types", None)
-    if types:
-        return tuple(types)
+    if types:  # Granite-4.0-H spells its kinds mamba / attention
+        return tuple(BLOCK_KINDS.get(t, t) for t in types)
     interval = getattr(text_config, "full_attention_interval", None)
     n = getattr(text_config, "num_hidden_layers", 0)
     if interval:

@@ -86,8 +86,8 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
     for group in store.layout.groups:
         key = group.first_layer if store.is_stored(group.first_layer) else TOKENS
         h2d.wait(key)  # group g's replay waits for its own input only, not for later groups' loads
-        if key == TOKENS:  # group 0: fed by the embeddings of the tail tokens
-            x = model.embed_tokens(inputs[key])
+        if key == TOKENS:  # group 0: fed by the embeddings of the tail tokens (Granite scales them)
+            x = model.embed_tokens(inputs[key]) * getattr(model, "embedding_multiplier", 1.0)
         else:
             x = store.decode(inputs[key], dtype)
         if store.layout.mixer == MAMBA2:
@@ -99,21 +99,40 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
 
 
 def replay_mamba2_group(model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
-    """A Nemotron-H group: its stages in order, each Mamba2 layer norm -> mixer (`replay_mamba2`) with its states
-    written into the slots, each MLP layer norm -> MLP; the last Mamba2 layer computes only its states."""
+    """A Mamba2 model's group, its layers in order; the last Mamba2 layer computes only its states.
+    - Nemotron-H: a Mamba2 stage is norm -> mixer (`replay_mamba2`), an MLP stage norm -> MLP, each added back;
+    - Granite-4.0-H: a layer is norm -> Mamba2 mixer and norm -> MoE + shared MLP, each scaled by the residual
+      multiplier before it is added back."""
     chunk_size = model.config.mamba_chunk_size
     for layer_id in group.layers:
         layer = model.layers[layer_id]
-        if layer_id not in group.recurrent_layers:  # an MLP stage between two Mamba2 stages
+        if layer_id not in group.recurrent_layers:  # a Nemotron-H MLP stage between two Mamba2 stages
             x = x + _tp_reduced(layer.mixer(layer.norm(x)), layer.mixer.down_proj)
             continue
+        granite = hasattr(layer, "mamba")
+        mixer, norm = (layer.mamba, layer.input_layernorm) if granite else (layer.mixer, layer.norm)
         last = layer_id == group.recurrent_layers[-1]
-        out, log_decay = replay_mixer(layer.mixer, pool.mamba2_layer_cache(layer_id), layer.norm(x),
-                                      batch.cu_seqlens, batch.tail_lens, batch.mamba_slots, chunk_size, last)
+        out, log_decay = replay_mixer(mixer, pool.mamba2_layer_cache(layer_id), norm(x), batch.cu_seqlens,
+                                      batch.tail_lens, batch.mamba_slots, chunk_size, last)
         batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(log_decay, batch))
         if last:
             return
-        x = x + _tp_reduced(out, layer.mixer.out_proj)
+        scale = getattr(layer, "residual_multiplier", 1.0)
+        x = x + scale * _tp_reduced(out, mixer.out_proj)
+        if granite:
+            x = x + scale * _tp_reduced(_granite_ffn(layer, layer.post_attention_layernorm(x)), mixer.out_proj)
+
+
+def _granite_ffn(layer, h: torch.Tensor) -> torch.Tensor:
+    """Granite-4.0-H's feed-forward as its layer runs it: MoE (which may write its input: given a copy) plus the
+    shared MLP, either of which may be absent; a TP partial sum like the mixer's (all built with
+    reduce_results=False)."""
+    out = torch.zeros_like(h)
+    if layer.block_sparse_moe is not None:
+        out = out + layer.block_sparse_moe(h.clone())
+    if layer.shared_mlp is not None:
+        out = out + layer.shared_mlp(h)
+    return out
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):

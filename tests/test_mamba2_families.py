@@ -1,10 +1,14 @@
-"""Nemotron-H (Mamba2 mixers, MLP stages, attention) served by the real SGLang server on CPU: stock against HF
-transformers, and Tail-Replay's hits against the server's own no-cache prefill.
+"""The Mamba2 hybrids served by the real SGLang server on CPU: stock against HF transformers, and Tail-Replay's hits
+against the server's own no-cache prefill. Every test runs once per family (a module-scoped parametrized fixture):
 
-The checkpoint is `tiny-nemotron-h` (pattern M-M*-MM-*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0
-replays an MLP stage between two Mamba2 layers, group 1 starts with an MLP stage, and HF's Mamba2 init gives heads
-memories from 1 to about 1000 tokens, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run
-this model on a CPU at all ("name 'causal_conv1d_fn_triton' is not defined"); `cpu/mamba2.py` gives it its ops.
+- `tiny-nemotron-h` (pattern M-M*-MM-*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
+  stage between two Mamba2 layers, group 1 starts with an MLP stage;
+- `tiny-granite-4.0-h` (layer_types mamba / attention as IBM ships Granite-4.0-H): each layer a mixer and a MoE +
+  shared MLP, with Granite 4's embedding, residual, attention and logits multipliers.
+
+Both have Mamba2 heads with memories of 16 to 512 tokens and unit-gain projections (`models._init_mamba2_gates`),
+so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run either on a CPU at all ("name
+'causal_conv1d_fn_triton' is not defined"); `cpu/mamba2.py` gives it its ops.
 
 Mamba2 models keep anchors where requests and prefill chunks end (no interval anchors), so the mechanics servers
 prefill in 128-token chunks: a fork at 300 replays [256, 300) from the chunk-end state at 256.
@@ -15,9 +19,10 @@ import concurrent.futures
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import (EXACT_TOL, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate, max_error,
+from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate, max_error,
                      no_cache, random_ids, scored, start_servers)
 from soak import pool_leaks, wait_idle
+from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -31,20 +36,28 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--chunke
              "--enable-cache-report", "--dtype", "float32")
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_nemotron_h):
-    return load_hf_model(tiny_nemotron_h), AutoTokenizer.from_pretrained(tiny_nemotron_h)
+FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_path(request):
+    return build_model(request.param, MODELS_DIR / request.param)
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_nemotron_h, tmp_path_factory):
-    """Started together: stock; Tail-Replay replaying every span (mechanics); the paper's zero-init tail (no
-    anchors); Tail-Replay's defaults on SGLang's GPU scheduling (extra_buffer, overlap scheduler)."""
+def hf(model_path):
+    return load_hf_model(model_path), AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, tmp_path_factory):
+    """Started together, per family: stock; Tail-Replay replaying every span (mechanics); the paper's zero-init
+    tail (no anchors); Tail-Replay's defaults on SGLang's GPU scheduling (extra_buffer, overlap scheduler)."""
     yield from start_servers(tmp_path_factory, {
-        "stock": Spec(tiny_nemotron_h, ("--dtype", "float32")),
-        "anchored": Spec(tiny_nemotron_h, MECHANICS),
-        "paper": Spec(tiny_nemotron_h, (*MECHANICS, "--tail-replay-exact-budget", "0")),
-        "production": Spec(tiny_nemotron_h, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
+        "stock": Spec(model_path, ("--dtype", "float32")),
+        "anchored": Spec(model_path, MECHANICS),
+        "paper": Spec(model_path, (*MECHANICS, "--tail-replay-exact-budget", "0")),
+        "production": Spec(model_path, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
                            kwargs={"gpu_scheduling": True}),
     })
 
