@@ -28,8 +28,10 @@ dtype, float16 for a float32 checkpoint), the KV dtype of `mem_cache/kv_cache_dt
 (K and V of every FA layer). All at TP 1. The server log shows the same numbers:
 `Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ... ssm_state size`.
 
-Qwen3.5-4B and Qwen3.6-27B are not read from the hub: their shapes are written by hand below (`HAND_WRITTEN`), as we
-know them from the published configs.
+Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small are not read from the hub: their shapes are written
+by hand below (`HAND_WRITTEN`), as we know them from the published configs. Mamba2 models (Nemotron-H, Granite-4.0-H)
+have no interval anchors (their anchors are request and chunk ends, `plugin._for_mixer`), and their slot is SGLang's
+`Mamba2StateShape`: conv over x | B | C (heads x head_dim + 2 x groups x state), SSM heads x head_dim x state.
 """
 
 import argparse
@@ -45,7 +47,7 @@ from rich.table import Table
 
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
+from tailreplay_sglang.layout import FULL, LINEAR, MAMBA2, ConfigAttrs, HybridLayout, layer_kinds, mixer_of
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +60,8 @@ CHUNK_TOKENS = 4096  # prefill chunk of the prefix-cost example (stock no_buffer
 
 # The real models' shapes as we know them from their published config.json (text part), written by hand: there is
 # no hub access here. A checkpoint's own config.json (`--model-path`) always wins over these.
-HAND_WRITTEN_NOTE = ("Qwen3.5-4B and Qwen3.6-27B: shapes written by hand from the published configs as we know "
-                     "them, not read from a checkpoint")
+HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small: shapes written by hand from "
+                     "the published configs as we know them, not read from a checkpoint")
 HAND_WRITTEN = {
     "Qwen3.5-4B": {
         "model_type": "qwen3_5_text", "hidden_size": 2560, "num_hidden_layers": 32, "full_attention_interval": 4,
@@ -73,12 +75,27 @@ HAND_WRITTEN = {
         "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "dtype": "bfloat16",
     },
+    # SGLang's NemotronHConfig defaults are Nemotron-H-8B's (52 layers, 4 attention).
+    "Nemotron-H-8B": {
+        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "hidden_size": 4096,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128,
+        "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "dtype": "bfloat16",
+    },
+    # 40 layers, one attention layer in ten (positions as we recall them; only their count enters the figures).
+    "Granite-4.0-H-Small": {
+        "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 4096,
+        "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)],
+        "num_attention_heads": 32, "num_key_value_heads": 8, "mamba_n_heads": 128, "mamba_d_head": 64,
+        "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "dtype": "bfloat16",
+    },
 }
-ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B")
+ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small")
 # --all without --server-args: each model served as it is here (the presets in float32 on the CPU) or in practice
 # (the real models in their checkpoint dtype).
 ALL_DEFAULT_ARGS = {"small": "--dtype float32", "quality-qwen35": "--dtype float32",
-                    "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto"}
+                    "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto", "Nemotron-H-8B": "--dtype auto",
+                    "Granite-4.0-H-Small": "--dtype auto"}
 
 
 def _flag(flags: list[str], name: str, default: str | None = None) -> str | None:
@@ -97,10 +114,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _with_layer_types(config: dict) -> dict:
-    """The config with `layer_types` spelled out (from `full_attention_interval`, as SGLang's Qwen3-Next config
-    derives its layer pattern) where it does not list them."""
-    if config.get("layer_types"):
-        return config
+    """The config with `layer_types` spelled out in the layout's kinds (from `full_attention_interval`, as SGLang's
+    Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention)."""
+    if config.get("layer_types") or config.get("hybrid_override_pattern") or config.get("layers_block_type"):
+        return {**config, "layer_types": list(layer_kinds(ConfigAttrs(config)))}
     interval, n = config.get("full_attention_interval"), config["num_hidden_layers"]
     types = [FULL if interval and (i + 1) % interval == 0 else LINEAR for i in range(n)]
     return {**config, "layer_types": types}
@@ -201,15 +218,29 @@ def tail_replay_config(model_path, flags: list[str]) -> TailReplayConfig:
     return config_from_args(args)
 
 
+def _recurrent_shape(config: dict) -> tuple[int, int, int]:
+    """(conv channels, conv width, SSM state values) of one recurrent layer: GDN's over q | k | v with [HV, V, K]
+    states, or Mamba2's over x | B | C with [heads, head_dim, state] states (Nemotron-H's or Granite's names)."""
+    if "linear_num_key_heads" in config:
+        key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        return (value_heads * value_dim + 2 * key_heads * key_dim, config["linear_conv_kernel_dim"],
+                value_heads * value_dim * key_dim)
+    heads = config.get("mamba_num_heads") or config["mamba_n_heads"]
+    head_dim = config.get("mamba_head_dim") or config["mamba_d_head"]
+    groups = config.get("n_groups") or config.get("mamba_n_groups") or 1
+    state = config.get("ssm_state_size") or config["mamba_d_state"]
+    width = config.get("conv_kernel") or config.get("mamba_d_conv") or 4
+    return heads * head_dim + 2 * groups * state, width, heads * head_dim * state
+
+
 def mamba_slot_bytes(config: dict, n_gdn_layers: int) -> dict:
     """Bytes of one mamba slot (SGLang's `mamba_cache_per_req` at TP 1), split into conv and SSM states."""
-    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
-    conv_dim = value_heads * value_dim + 2 * key_heads * key_dim  # conv runs over cat(q, k, v)
+    conv_dim, width, ssm_values = _recurrent_shape(config)
     conv_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_CONV_DTYPE", "bfloat16")]
     ssm_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_SSM_DTYPE") or config.get("mamba_ssm_dtype") or "float32"]
-    conv = conv_dim * (config["linear_conv_kernel_dim"] - 1) * conv_dtype.itemsize
-    ssm = value_heads * value_dim * key_dim * ssm_dtype.itemsize
+    conv = conv_dim * (width - 1) * conv_dtype.itemsize
+    ssm = ssm_values * ssm_dtype.itemsize
     return {"conv_bytes": conv * n_gdn_layers, "ssm_bytes": ssm * n_gdn_layers,
             "total_bytes": (conv + ssm) * n_gdn_layers, "conv_dtype": _dtype_name(conv_dtype),
             "ssm_dtype": _dtype_name(ssm_dtype)}
@@ -233,7 +264,8 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     `intervals`: the anchor intervals N to amortise a slot over (default: see `anchor_intervals`)."""
     flags = list(flags)
     name, config, source = resolve_model(model)
-    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"],
+                          mixer=mixer_of(config.get("architectures") or ()))
     n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
     served = serving_dtype(config, flags)
     kv = kv_dtype(config, flags)
@@ -271,7 +303,7 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
             "bytes_per_anchor": slot["total_bytes"],
             "intervals": [{"interval": n, "anchor_bytes_per_token": slot["total_bytes"] / n,
                            "tail_replay_bytes_per_cached_token": paper + slot["total_bytes"] / n}
-                          for n in anchor_intervals(cfg, flags, intervals)],
+                          for n in (() if layout.mixer == MAMBA2 else anchor_intervals(cfg, flags, intervals))],
         },
     }
 

@@ -192,6 +192,12 @@ PRESETS: dict[str, Preset] = {
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
         mamba2=Mamba2(pattern="MMM*MMM*", num_heads=8, head_dim=16, n_groups=1, state_size=16),
     ),
+    # Falcon-H1 (falcon_h1): attention and Mamba2 side by side in every layer. Served by stock SGLang here (the
+    # Mamba2 CPU ops); Tail-Replay refuses it at start-up with the store-to-KV ratio (layout._refuse_unsupported_mixers).
+    "tiny-falcon-h1": Preset(
+        model_type="falcon_h1", **dict(TINY, num_hidden_layers=4),
+        mamba2=Mamba2(pattern="", num_heads=8, head_dim=16, n_groups=1, state_size=16),
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -392,6 +398,20 @@ def granite_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     )
 
 
+def falcon_h1_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    m = preset.mamba2
+    return AutoConfig.for_model(
+        "falcon_h1", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim, mamba_d_ssm=m.num_heads * m.head_dim, mamba_n_heads=m.num_heads,
+        mamba_d_head=m.head_dim, mamba_n_groups=m.n_groups, mamba_d_state=m.state_size, mamba_d_conv=4,
+        mamba_chunk_size=m.chunk_size, max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def nvidia_config_fields(config: dict) -> dict:
     """config.json as NVIDIA writes Nemotron-H's: the layer pattern as `hybrid_override_pattern` (transformers 5
     writes `layers_block_type`), and the Mamba2 sizes under both of the names SGLang's and transformers' configs
@@ -412,6 +432,8 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return nemotron_h_config(preset, tokenizer)
     if preset.model_type == "granitemoehybrid":
         return granite_config(preset, tokenizer)
+    if preset.model_type == "falcon_h1":
+        return falcon_h1_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
     if preset.vision is not None:

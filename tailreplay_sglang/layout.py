@@ -34,6 +34,8 @@ PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
                "moe": MOE}
 MAMBA2_ARCHITECTURES = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+PARALLEL_HYBRIDS = ("FalconH1ForCausalLM",)  # attention and Mamba2 side by side in every layer
+KDA_ARCHITECTURES = ("KimiLinearForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,12 @@ class HybridLayout:
     def from_hf_config(cls, config) -> "HybridLayout":
         """From a transformers config (or its `text_config` for vision-language checkpoints)."""
         text = getattr(config, "text_config", None) or config
+        _refuse_unsupported_mixers(getattr(config, "architectures", None) or (), text)
         vision = getattr(config, "vision_config", None)
         if vision is not None:
             _require_no_deepstack(getattr(vision, "deepstack_visual_indexes", None) or [])
-        return cls(_layer_types(text), text.hidden_size, stores_embeddings=vision is not None,
-                   mixer=_mixer(getattr(config, "architectures", None) or ()))
+        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None,
+                   mixer=mixer_of(getattr(config, "architectures", None) or ()))
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -99,11 +102,12 @@ class HybridLayout:
         if config_file.exists():  # local checkpoint: no transformers import needed at flag-parsing time
             raw = json.loads(config_file.read_text())
             text = raw.get("text_config", raw)
+            _refuse_unsupported_mixers(raw.get("architectures") or (), ConfigAttrs(text))
             vision = raw.get("vision_config")
             if vision is not None:
                 _require_no_deepstack(vision.get("deepstack_visual_indexes") or [])
-            return cls(_layer_types(_Attrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
-                       mixer=_mixer(raw.get("architectures") or ()))
+            return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
+                       mixer=mixer_of(raw.get("architectures") or ()))
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -126,16 +130,37 @@ def _require_no_deepstack(indexes) -> None:
                          f"deepstack_visual_indexes={list(indexes)}). Supported: {SUPPORTED}")
 
 
-class _Attrs:
+class ConfigAttrs:
     def __init__(self, d: dict):
         self.__dict__.update(d)
 
 
-def _mixer(architectures) -> str:
+def _refuse_unsupported_mixers(architectures, text_config) -> None:
+    """Hybrids served by SGLang that Tail-Replay does not replay, each with its reason.
+
+    Falcon-H1 runs attention and Mamba2 side by side in every layer, so every layer is its own group and the store
+    would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
+    head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
+    2 x 2 x 128 = 512, 6x, if its config is as we read it); the store would displace that much KV. Kimi Linear's KDA mixer has no CPU ops here
+    to serve or test it with."""
+    if any(a in PARALLEL_HYBRIDS for a in architectures):
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        kv_values = 2 * text_config.num_key_value_heads * head_dim
+        raise ValueError(f"--enable-tail-replay does not replay Falcon-H1: attention and Mamba2 share every layer, so "
+                         f"every layer would be a group and the hidden store would keep {text_config.hidden_size} "
+                         f"values per layer per token beside the KV cache's {kv_values} "
+                         f"({text_config.hidden_size / kv_values:.1f}x the KV cache, which it would displace). "
+                         f"Supported: {SUPPORTED}")
+    if any(a in KDA_ARCHITECTURES for a in architectures):
+        raise ValueError(f"--enable-tail-replay does not replay Kimi Linear's KDA layers yet. Supported: {SUPPORTED}")
+
+
+def mixer_of(architectures) -> str:
     return MAMBA2 if any(a in MAMBA2_ARCHITECTURES for a in architectures) else GDN
 
 
-def _layer_types(text_config) -> tuple[str, ...]:
+def layer_kinds(text_config) -> tuple[str, ...]:
     pattern = getattr(text_config, "hybrid_override_pattern", None)
     if pattern:  # Nemotron-H as NVIDIA writes it
         return tuple(PATTERN_KINDS[c] for c in pattern)

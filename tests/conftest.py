@@ -45,6 +45,11 @@ def tiny_nemotron_h() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_falcon_h1() -> Path:
+    return build_model("tiny-falcon-h1", MODELS_DIR / "tiny-falcon-h1")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen35_vl() -> Path:
     return build_model("tiny-qwen35-vl", MODELS_DIR / "tiny-qwen35-vl")
 

@@ -339,14 +339,24 @@ def test_profile_attributes_samples_to_the_innermost_plugin_module():
 # ---- bench/memory.py (tailreplay_eval/memory.py): computed from configs, no server ----
 
 def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
-    """One mamba slot as SGLang 0.5.23 sizes it (Qwen3NextConfig.mamba2_cache_params at TP 1)."""
+    """One mamba slot as SGLang 0.5.23 sizes it at TP 1: Qwen3NextConfig.mamba2_cache_params for GDN models,
+    NemotronHConfig's / GraniteMoeHybridConfig's for Mamba2 ones (their names for the same shape)."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape, mamba2_state_dtype
 
-    shape = Mamba2StateShape.create(
-        tp_world_size=1, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
-        n_groups=config["linear_num_key_heads"], num_heads=config["linear_num_value_heads"],
-        head_dim=config["linear_value_head_dim"], state_size=config["linear_key_head_dim"],
-        conv_kernel=config["linear_conv_kernel_dim"])
+    if "linear_num_key_heads" in config:
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
+            n_groups=config["linear_num_key_heads"], num_heads=config["linear_num_value_heads"],
+            head_dim=config["linear_value_head_dim"], state_size=config["linear_key_head_dim"],
+            conv_kernel=config["linear_conv_kernel_dim"])
+    else:
+        heads = config.get("mamba_num_heads") or config["mamba_n_heads"]
+        head_dim = config.get("mamba_head_dim") or config["mamba_d_head"]
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=heads * head_dim,
+            n_groups=config.get("n_groups") or config["mamba_n_groups"], num_heads=heads, head_dim=head_dim,
+            state_size=config.get("ssm_state_size") or config["mamba_d_state"],
+            conv_kernel=config.get("conv_kernel") or config["mamba_d_conv"])
     return Mamba2CacheParams(shape=shape, layers=list(range(n_gdn)), dtype=mamba2_state_dtype(None)).mamba_cache_per_req
 
 
@@ -362,6 +372,8 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
     monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
     _, config, _ = memory.resolve_model(model)
     layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    # Mamba2 models keep no interval anchors (plugin._for_mixer): no anchored columns
+    intervals = [] if any(k in config for k in ("mamba_n_heads", "mamba_num_heads")) else list(memory.ANCHOR_INTERVALS)
     for flag, served in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", None)):
         acc = memory.account(model, ["--dtype", flag])
         served = served or _get_and_verify_dtype(config, "auto")  # the checkpoint's dtype as SGLang serves it
@@ -374,7 +386,7 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
         assert slot == _sglang_slot_bytes(config, acc["gdn_layers"])
         anchors = acc["anchors"]
         assert anchors["anchored"] and anchors["bytes_per_anchor"] == slot
-        assert [row["interval"] for row in anchors["intervals"]] == list(memory.ANCHOR_INTERVALS)
+        assert [row["interval"] for row in anchors["intervals"]] == intervals
         paper = acc["fa_kv_bytes_per_token"] + acc["tail_replay_hidden_bytes_per_token"]
         assert acc["paper_bytes_per_cached_token"] == acc["tail_replay_bytes_per_cached_token"] == paper
         assert acc["stock_bytes_per_cached_token"] == acc["fa_kv_bytes_per_token"]
@@ -410,6 +422,10 @@ def test_memory_all_table_and_json(tmp_path):
     assert (real["Qwen3.5-4B"]["fa_layers"], real["Qwen3.5-4B"]["gdn_layers"]) == (8, 24)
     assert (real["Qwen3.6-27B"]["fa_layers"], real["Qwen3.6-27B"]["gdn_layers"]) == (16, 48)
     assert real["Qwen3.6-27B"]["hidden_dtype"] == "bfloat16"  # --dtype auto on a bfloat16 checkpoint
+    # Mamba2 hybrids: 4 attention layers each; Nemotron-H's MLP stages are not recurrent layers
+    assert (real["Nemotron-H-8B"]["fa_layers"], real["Nemotron-H-8B"]["gdn_layers"]) == (4, 24)
+    assert (real["Granite-4.0-H-Small"]["fa_layers"], real["Granite-4.0-H-Small"]["gdn_layers"]) == (4, 36)
+    assert real["Nemotron-H-8B"]["anchors"]["intervals"] == []
 
 
 def test_image_chat_shapes_and_summary():

@@ -102,3 +102,26 @@ def test_nemotron_h_moe_layers_and_interval_anchors_are_refused(tiny_nemotron_h,
         plugin._for_mixer(TailReplayConfig(enabled=True, anchor_interval=512), lay, {"tail_replay_anchor_interval": 512})
     cfg = plugin._for_mixer(TailReplayConfig(enabled=True), lay, {})
     assert (cfg.anchor_interval, cfg.exact_budget) == (0, 512)
+
+
+def test_falcon_h1_and_kimi_linear_are_refused_with_the_reason(tiny_falcon_h1, tmp_path):
+    """Falcon-H1: every layer is attention beside Mamba2, so every layer's input would be stored; the refusal gives
+    the store-to-KV ratio from the checkpoint's config. Kimi Linear (KDA): not replayed yet."""
+    import json
+    import shutil
+
+    import pytest
+    from transformers import AutoConfig
+
+    for make in (lambda: HybridLayout.from_model_path(str(tiny_falcon_h1)),
+                 lambda: HybridLayout.from_hf_config(AutoConfig.from_pretrained(tiny_falcon_h1))):
+        with pytest.raises(ValueError, match=r"Falcon-H1: .* keep 64 values per layer per token beside the KV "
+                                             r"cache's 64 \(1.0x the KV cache"):
+            make()
+    path = tmp_path / "kimi"
+    shutil.copytree(tiny_falcon_h1, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["KimiLinearForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Kimi Linear's KDA layers"):
+        HybridLayout.from_model_path(str(path))

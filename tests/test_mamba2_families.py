@@ -20,7 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate, max_error,
-                     no_cache, random_ids, scored, start_servers)
+                     no_cache, random_ids, scored, start_server, start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
@@ -86,6 +86,20 @@ def test_stock_prompt_logprobs_match_hf(servers, hf):
     served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
     assert len(served) == len(reference)
     assert max(abs(a - b) for a, b in zip(served, reference)) < LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def falcon_stock(tiny_falcon_h1, tmp_path_factory):
+    """Falcon-H1 (attention beside Mamba2 in every layer): served by stock SGLang with the CPU Mamba2 ops; Tail-Replay
+    refuses it (tests/test_layout.py)."""
+    yield from start_server(tiny_falcon_h1, tmp_path_factory, "--dtype", "float32")
+
+
+def test_stock_falcon_h1_matches_hf_greedy(falcon_stock, tiny_falcon_h1):
+    model = load_hf_model(tiny_falcon_h1)
+    for n, seed in ((5, 1), (300, 3)):
+        ids = random_ids(n, seed)
+        assert generate(falcon_stock, ids, NEW)["output_ids"] == greedy_generate(model, ids, NEW)
 
 
 # ---- Tail-Replay: hits replayed through the Mamba2 and MLP stages ----
