@@ -213,6 +213,15 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+# Benchmark-size Mamba2 hybrids, the sizes of "small" (hidden 512, 12 layers, 2 attention layers of 4 x 128 heads):
+# Mamba2 mixers of 16 heads x 64 (expand 2), 4 groups of state 64, 128-token chunks.
+SMALL_MAMBA2 = dict(num_heads=16, head_dim=64, n_groups=4, state_size=64, chunk_size=128)
+PRESETS["small-nemotron-h"] = replace(PRESETS["small"], model_type="nemotron_h",
+                                      mamba2=Mamba2(pattern="M-M-M*M-M-M*", **SMALL_MAMBA2))
+PRESETS["small-granite-4.0-h"] = replace(
+    PRESETS["small"], model_type="granitemoehybrid", mamba2=Mamba2(pattern="MMMMM*MMMMM*", **SMALL_MAMBA2),
+    moe=MoE(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512))
+
 # Benchmark-size vision-language checkpoint: "small" under a 4-block vision tower with Qwen3.5's 16-pixel patches
 # (a 512 x 384 screenshot is 192 tokens); Qwen3.5's quarter-head rotation gives 16 pairs for the multimodal RoPE.
 PRESETS["small-qwen35-vl"] = replace(

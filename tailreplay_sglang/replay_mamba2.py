@@ -1,4 +1,4 @@
-"""One Mamba2 mixer over the packed replay tails (Nemotron-H), through the model's own projections, conv weights,
+"""One Mamba2 mixer over the packed replay tails (Nemotron-H, Granite-4.0-H), through the model's own projections, conv weights,
 norm and SGLang's kernel entry points, with its conv and SSM states read from and written to the requests' slots.
 
 The kernels are the names SGLang's mixer module binds (`layers/attention/mamba/mamba.py`): its Triton causal conv
