@@ -29,9 +29,9 @@ dtype, float16 for a float32 checkpoint), the KV dtype of `mem_cache/kv_cache_dt
 `Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ... ssm_state size`.
 
 Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small are not read from the hub: their shapes are written
-by hand below (`HAND_WRITTEN`), as we know them from the published configs. Mamba2 models (Nemotron-H, Granite-4.0-H)
-have no interval anchors (their anchors are request and chunk ends, `plugin._for_mixer`), and their slot is SGLang's
-`Mamba2StateShape`: conv over x | B | C (heads x head_dim + 2 x groups x state), SSM heads x head_dim x state.
+by hand below (`HAND_WRITTEN`), as we know them from the published configs. A Mamba2 model's (Nemotron-H,
+Granite-4.0-H) slot is SGLang's `Mamba2StateShape`: conv over x | B | C (heads x head_dim + 2 x groups x state), SSM
+heads x head_dim x state.
 """
 
 import argparse
@@ -47,7 +47,7 @@ from rich.table import Table
 
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import FULL, LINEAR, MAMBA2, ConfigAttrs, HybridLayout, layer_kinds, mixer_of
+from tailreplay_sglang.layout import FULL, LINEAR, ConfigAttrs, HybridLayout, layer_kinds, mixer_of
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +303,7 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
             "bytes_per_anchor": slot["total_bytes"],
             "intervals": [{"interval": n, "anchor_bytes_per_token": slot["total_bytes"] / n,
                            "tail_replay_bytes_per_cached_token": paper + slot["total_bytes"] / n}
-                          for n in (() if layout.mixer == MAMBA2 else anchor_intervals(cfg, flags, intervals))],
+                          for n in anchor_intervals(cfg, flags, intervals)],
         },
     }
 

@@ -107,6 +107,11 @@ INTERVAL_ANCHORS = (
          f"{_PKG}.lifecycle:write_anchor_ssm_states",
          "SGLang's chunked GDN prefill (fla's Triton kernel, or the fallback's op): the states it returns for every "
          "64-token chunk hold the planned anchors' SSM states", bound=True),
+    Hook(f"{_SRT}.layers.attention.mamba.mamba.MambaMixer2.forward", "around",
+         f"{_PKG}.lifecycle:write_anchor_mamba2_states",
+         "every Mamba2 mixer's forward (every device): its scan returns the per-chunk states on a grid over the packed "
+         "batch, which holds the planned anchors' SSM states; their conv states are the input rows before them",
+         bound=True),
     Hook(f"{_CACHE}.checkpoint_into_tree", "after", f"{_PKG}.lifecycle:insert_interval_anchors",
          "the request's KV is in the tree and its row holds the tree's indices: an anchor can be inserted at its "
          "depth without freeing anything as a duplicate", bound=True),

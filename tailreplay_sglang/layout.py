@@ -55,6 +55,7 @@ class HybridLayout:
     hidden_size: int
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
     mixer: str = GDN  # the recurrent mixer: GDN or MAMBA2
+    chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -93,8 +94,9 @@ class HybridLayout:
         vision = getattr(config, "vision_config", None)
         if vision is not None:
             _require_no_deepstack(getattr(vision, "deepstack_visual_indexes", None) or [])
-        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None,
-                   mixer=mixer_of(getattr(config, "architectures", None) or ()))
+        mixer = mixer_of(getattr(config, "architectures", None) or ())
+        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
+                   chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -106,8 +108,9 @@ class HybridLayout:
             vision = raw.get("vision_config")
             if vision is not None:
                 _require_no_deepstack(vision.get("deepstack_visual_indexes") or [])
+            mixer = mixer_of(raw.get("architectures") or ())
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
-                       mixer=mixer_of(raw.get("architectures") or ()))
+                       mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None)
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -154,6 +157,12 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          f"Supported: {SUPPORTED}")
     if any(a in KDA_ARCHITECTURES for a in architectures):
         raise ValueError(f"--enable-tail-replay does not replay Kimi Linear's KDA layers yet. Supported: {SUPPORTED}")
+
+
+def mamba_chunk_size(text_config) -> int:
+    """The Mamba2 scan's chunk as SGLang reads it: `mamba_chunk_size`, else Nemotron-H's `chunk_size`, else SGLang's
+    default (DEFAULT_MAMBA_CHUNK_SIZE of its NemotronHConfig, 256; Granite's config defaults to 256 too)."""
+    return getattr(text_config, "mamba_chunk_size", None) or getattr(text_config, "chunk_size", None) or 256
 
 
 def mixer_of(architectures) -> str:

@@ -22,7 +22,7 @@ import torch
 from tailreplay_sglang import capture, hooks, replay, supported, visibility
 from tailreplay_sglang.cache.component import MATCH_ATTR, create_tail_replay_cache, is_exact
 from tailreplay_sglang.cache.host_anchors import HostAnchors
-from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.layout import MAMBA2, HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
 from tailreplay_sglang.store.hidden_store import HiddenStore, bytes_per_token
 
@@ -97,6 +97,8 @@ def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
             if match.anchor != match.matched:
                 replayed_hits.append(req)
     if runtime.interval_anchors is not None:
+        if runtime.store is not None and runtime.store.layout.mixer == MAMBA2:
+            replayed_hits = []  # the state at a replayed match end (offset 0) is not on the Mamba2 scan's grid
         runtime.interval_anchors.plan(batch.reqs, batch.req_to_token_pool, batch.tree_cache, is_exact,
                                       replayed_hits)
     return result
@@ -116,6 +118,15 @@ def write_anchor_ssm_states(runtime: TailReplayRuntime, original, *args, **kwarg
     out = original(*args, **kwargs)
     runtime.interval_anchors.write_ssm_states(out[2], kwargs["initial_state"], kwargs["initial_state_indices"],
                                               kwargs["cu_seqlens"])
+    return out
+
+
+def write_anchor_mamba2_states(runtime: TailReplayRuntime, original, mixer, *args, **kwargs):
+    """AROUND SGLang's `MambaMixer2.forward` (every device; called with keywords): the planned anchors' states of
+    this layer, from the per-chunk states the mixer's scan returned."""
+    out = original(mixer, *args, **kwargs)
+    runtime.interval_anchors.write_mamba2_states(mixer, kwargs["hidden_states"], kwargs["layer_cache"],
+                                                 kwargs["metadata"], out[1])
     return out
 
 

@@ -81,23 +81,21 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
         layout = HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
     except ValueError as e:
         raise TailReplayConfigError(str(e)) from None
-    return _for_mixer(cfg, layout, given)
+    return _for_mixer(cfg, layout)
 
 
-def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout, given: dict) -> TailReplayConfig:
-    """Interval anchors are written from the GDN prefill's per-chunk states; SGLang's Mamba2 scan counts its chunks
-    over the packed batch instead (on a GPU), which they are not read from yet. Mamba2 models keep the anchors
-    requests and prefill chunks end at, and an explicit interval is refused rather than ignored. Their exact budget
-    defaults to the GDN default interval, 512 tokens: a hit that far from its nearest state (the root's zero state
-    included) still replays exactly."""
-    if layout.mixer != MAMBA2:
+def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout) -> TailReplayConfig:
+    """Mamba2 models take interval anchors from their SSD scan's per-chunk states (`anchors.write_mamba2_states`),
+    whose chunk is the model's `mamba_chunk_size`: the interval must be a multiple of it, or no anchor would fall on
+    the grid."""
+    chunk = layout.chunk_size
+    if layout.mixer != MAMBA2 or not cfg.anchored or not cfg.anchor_interval:
         return cfg
-    if given.get("tail_replay_anchor_interval"):
-        raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: interval anchors are "
-                                    f"written from Gated DeltaNet prefills only; a Mamba2 model (Nemotron-H) keeps "
-                                    f"the anchors where requests and prefill chunks end (use 0)")
-    budget = cfg.exact_budget if "tail_replay_exact_budget" in given else TailReplayConfig.anchor_interval
-    return dataclasses.replace(cfg, anchor_interval=0, exact_budget=budget)
+    if cfg.anchor_interval % chunk:
+        raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: this Mamba2 model's scan "
+                                    f"works in chunks of {chunk} tokens (mamba_chunk_size) and anchors are taken on "
+                                    f"that grid: use a multiple of {chunk}")
+    return cfg
 
 
 def _check_version() -> None:

@@ -372,8 +372,6 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
     monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
     _, config, _ = memory.resolve_model(model)
     layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
-    # Mamba2 models keep no interval anchors (plugin._for_mixer): no anchored columns
-    intervals = [] if any(k in config for k in ("mamba_n_heads", "mamba_num_heads")) else list(memory.ANCHOR_INTERVALS)
     for flag, served in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", None)):
         acc = memory.account(model, ["--dtype", flag])
         served = served or _get_and_verify_dtype(config, "auto")  # the checkpoint's dtype as SGLang serves it
@@ -386,7 +384,7 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
         assert slot == _sglang_slot_bytes(config, acc["gdn_layers"])
         anchors = acc["anchors"]
         assert anchors["anchored"] and anchors["bytes_per_anchor"] == slot
-        assert [row["interval"] for row in anchors["intervals"]] == intervals
+        assert [row["interval"] for row in anchors["intervals"]] == list(memory.ANCHOR_INTERVALS)
         paper = acc["fa_kv_bytes_per_token"] + acc["tail_replay_hidden_bytes_per_token"]
         assert acc["paper_bytes_per_cached_token"] == acc["tail_replay_bytes_per_cached_token"] == paper
         assert acc["stock_bytes_per_cached_token"] == acc["fa_kv_bytes_per_token"]
@@ -425,7 +423,6 @@ def test_memory_all_table_and_json(tmp_path):
     # Mamba2 hybrids: 4 attention layers each; Nemotron-H's MLP stages are not recurrent layers
     assert (real["Nemotron-H-8B"]["fa_layers"], real["Nemotron-H-8B"]["gdn_layers"]) == (4, 24)
     assert (real["Granite-4.0-H-Small"]["fa_layers"], real["Granite-4.0-H-Small"]["gdn_layers"]) == (4, 36)
-    assert real["Nemotron-H-8B"]["anchors"]["intervals"] == []
 
 
 def test_image_chat_shapes_and_summary():

@@ -378,6 +378,42 @@ def test_interval_anchor_states_are_the_states_after_each_offset():
     assert torch.equal(conv_pool[untouched], conv_before[untouched])
 
 
+def test_mamba2_interval_anchors_come_from_the_scans_chunk_grid():
+    """Mamba2 (`IntervalAnchors.write_mamba2_states`): a sequence starting on the packed batch's 32-token chunk grid
+    (the second, after 64 tokens) gets its anchors at 32 and 64 tokens in: SSM state = the float64 recurrence after
+    them, conv state = the x | B | C inputs of the 3 tokens before them through the mixer's own input projection.
+    The third sequence starts off the grid: its anchor is not written (so it is freed at commit, never wrong)."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.cache.anchors import IntervalAnchors
+
+    lengths, chunk, H, P, N, G = [64, 100, 70], 32, 2, 4, 8, 1
+    x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G, slots=16)
+    T, hidden, conv_dim, width_1 = sum(lengths), 16, H * P + 2 * G * N, 3
+    h = torch.randn(T, hidden)
+    weight = torch.randn(H * P + conv_dim + H, hidden)
+    mixer = SimpleNamespace(in_proj=lambda rows: (rows @ weight.T, None), tp_size=1, intermediate_size=H * P,
+                            conv_dim=conv_dim)
+    spare = [i for i in range(16) if i not in idx.tolist()]
+    cache = SimpleNamespace(conv=[torch.zeros(16, conv_dim, width_1)], temporal=pool)
+    metadata = SimpleNamespace(num_prefills=3, mixed_metadata=SimpleNamespace(chunk_size=chunk),
+                               query_start_loc=cu, mamba_cache_indices=idx)
+    anchors = IntervalAnchors(32)
+    anchors.by_slot = {int(idx[1]): [(32, spare[0]), (64, spare[1])], int(idx[2]): [(32, spare[2])]}
+    initial = pool[idx].clone()
+    _, chunks, _, _ = _scan(x, dt, dt_bias, A, B, C, D, initial, cu, chunk)
+    anchors.write_mamba2_states(mixer, h, cache, metadata, chunks)
+
+    for offset, dst in anchors.by_slot[int(idx[1])]:
+        position = 64 + offset
+        state = _ssd_reference(x, dt, dt_bias, A, B, C, D, initial[1], 64, position)[1]
+        assert rel_err(pool[dst], state) < TOL
+        rows = h[position - width_1:position] @ weight.T
+        assert torch.allclose(cache.conv[0][dst], rows[:, H * P:H * P + conv_dim].T)
+        assert {dst} <= anchors.written["ssm"] and {dst} <= anchors.written["conv"]
+    assert spare[2] not in anchors.written["ssm"] | anchors.written["conv"]  # 164 + 32 is off the grid
+
+
 def test_thread_bind_strings_parse_like_linux_cpulists():
     from tailreplay_sglang.cpu.threads import parse_cpu_list
 

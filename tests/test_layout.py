@@ -81,7 +81,10 @@ def test_nemotron_h_pattern_groups_cut_after_their_last_mamba2_layer(tiny_nemotr
     assert [g.first_layer for g in lay.stored_groups] == [4, 9]
 
 
-def test_nemotron_h_moe_layers_and_interval_anchors_are_refused(tiny_nemotron_h, tmp_path):
+def test_nemotron_h_moe_layers_and_off_grid_anchor_intervals_are_refused(tiny_nemotron_h, tmp_path):
+    """Nemotron-H's MoE stages are not replayed yet; a Mamba2 model's interval anchors come from its scan's chunk
+    grid, so an interval that is not a multiple of its chunk is refused, naming the flag and the chunk."""
+    import dataclasses
     import json
     import shutil
 
@@ -98,10 +101,11 @@ def test_nemotron_h_moe_layers_and_interval_anchors_are_refused(tiny_nemotron_h,
     with pytest.raises(ValueError, match="MoE layers .* Supported: Qwen3.5"):
         HybridLayout.from_model_path(str(path)).require_hybrid(str(path))
     lay = HybridLayout.from_model_path(str(tiny_nemotron_h))
-    with pytest.raises(TailReplayConfigError, match="--tail-replay-anchor-interval 512: interval anchors"):
-        plugin._for_mixer(TailReplayConfig(enabled=True, anchor_interval=512), lay, {"tail_replay_anchor_interval": 512})
-    cfg = plugin._for_mixer(TailReplayConfig(enabled=True), lay, {})
-    assert (cfg.anchor_interval, cfg.exact_budget) == (0, 512)
+    assert lay.chunk_size == 64  # the preset's mamba_chunk_size
+    cfg = TailReplayConfig(enabled=True, anchor_interval=128)
+    assert plugin._for_mixer(cfg, lay) == cfg
+    with pytest.raises(TailReplayConfigError, match="--tail-replay-anchor-interval 128: .* chunks of 256 tokens"):
+        plugin._for_mixer(cfg, dataclasses.replace(lay, chunk_size=256))
 
 
 def test_falcon_h1_and_kimi_linear_are_refused_with_the_reason(tiny_falcon_h1, tmp_path):

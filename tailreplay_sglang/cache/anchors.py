@@ -3,7 +3,10 @@ the radix tree like the ones SGLang keeps where a request or a prefill chunk end
 
 The states come from the chunked GDN prefill, which computes the state entering every 64-token chunk anyway and
 returns them all (`h`, fla's layout, on every device: fla's Triton kernel on a GPU, the fallback's torch op on CPU;
-SGLang's extra_buffer tracking reads the same tensor). Before a prefill forward, each exact request gets a mamba slot
+SGLang's extra_buffer tracking reads the same tensor). Mamba2 models (`write_mamba2_states`): the SSD scan returns
+the states on one chunk grid over the packed batch, so an anchor is taken where its offset falls on that grid (every
+offset of a request prefilled alone, N being a multiple of the scan's chunk), its conv state from the mixer's input
+rows before it. Before a prefill forward, each exact request gets a mamba slot
 per anchor at extend start + N, + 2N, ... (short of the extend's end, which the chunk-end anchor covers):
 `IntervalAnchors.plan` makes the plan (`by_slot`). During the forward the runtime's hooks on SGLang's two prefill
 call sites fill the slots, layer by layer: the conv state at an offset is the width - 1 inputs before it, taken from
@@ -86,6 +89,33 @@ class IntervalAnchors:
                 ssm_states[dst] = h[0, first_chunk + offset // GDN_CHUNK].to(ssm_states.dtype)
                 self.written["ssm"].add(dst)
             first_chunk += -(-(bounds[i + 1] - bounds[i]) // GDN_CHUNK)
+
+    def write_mamba2_states(self, mixer, hidden_states, layer_cache, metadata, chunk_states) -> None:
+        """After one Mamba2 mixer's prefill (SGLang's `MambaMixer2.forward`): each planned anchor whose offset lies
+        on the scan's chunk grid over the packed batch gets its SSM state from the per-chunk states the scan
+        returned (`chunk_states[0, position // chunk]`, the grid SGLang's extra_buffer reads too) and its conv
+        state from the width - 1 mixer inputs before it, put through the mixer's own input projection again (a few
+        rows). Off the grid (a sequence not starting on it, in a batched prefill) the anchor is not written, so it
+        is freed at commit: fewer anchors, never a wrong one."""
+        if not self.by_slot or chunk_states is None or metadata.num_prefills == 0:
+            return
+        n = metadata.num_prefills
+        chunk = metadata.mixed_metadata.chunk_size
+        bounds, slots = metadata.query_start_loc[:n + 1].tolist(), metadata.mamba_cache_indices[:n].tolist()
+        conv, ssm = layer_cache.conv[0], layer_cache.temporal
+        width_1 = conv.shape[-1]
+        for i, slot in enumerate(slots):
+            for offset, dst in self.by_slot.get(slot, ()):
+                position = bounds[i] + offset
+                if position % chunk or offset < width_1:
+                    continue
+                ssm[dst] = chunk_states[0, position // chunk].to(ssm.dtype)
+                projected, _ = mixer.in_proj(hidden_states[position - width_1:position])
+                tp = mixer.tp_size
+                window = projected[:, mixer.intermediate_size // tp:(mixer.intermediate_size + mixer.conv_dim) // tp]
+                conv[dst] = window.transpose(0, 1).to(conv.dtype)
+                self.written["conv"].add(dst)
+                self.written["ssm"].add(dst)
 
     def _take_written(self, physical: int) -> bool:
         """Whether both halves of the anchor in this slot were written; forgets the slot either way."""
