@@ -2,24 +2,20 @@
 CUDA, NPU and XPU, so that on a CPU the first Mamba2 forward fails with "name 'causal_conv1d_fn_triton' is not
 defined" (Nemotron-H, Granite-4.0-H, Falcon-H1 and every other `MambaMixer2` model).
 
-`install` (a `call` row of `hooks.CPU_ENGINE`) binds the mixer module's six kernel names to torch bodies here:
-the causal conv (both of SGLang's spellings, on `ops.conv`) and the SSD scan and decode update (`ops.ssd`), in the
-argument order and return shapes of SGLang's Triton kernels.
+`install` (a `call` row of `hooks.CPU_ENGINE`) binds the mixer module's six kernel names to torch bodies: the
+causal conv (both of SGLang's spellings: the prefill conv is the one the GDN path gets from `sgl_kernel_shim`,
+whose argument order is the same) and the SSD scan and decode update (`ops.ssd`), in the argument order and return
+shapes of SGLang's Triton kernels.
 """
 
 import bisect
 
 import torch
 
+from tailreplay_sglang.cpu.sgl_kernel_shim import causal_conv1d_fn_cpu as causal_conv1d_fn
 from tailreplay_sglang.ops import conv, ssd
 
 MIXER_MODULE = "sglang.srt.layers.attention.mamba.mamba"
-
-
-def causal_conv1d_fn(x, weight, bias=None, activation=None, conv_states=None, has_initial_state=None,
-                     cache_indices=None, query_start_loc=None, seq_lens_cpu=None, **unused):
-    return conv.causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                                  activation)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, **unused):
@@ -48,7 +44,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if return_track_states and track_end_locs is not None and track_end_locs.numel():
         tracked = [(s, e - cu[s]) for s, e in zip(track_seq_idx.tolist(), track_end_locs.tolist())]
     dt_p = ssd.process_dt(dt[0], dt_bias, dt_softplus, tuple(dt_limit))
-    y, finals, _, at = ssd.chunk_scan(x[0], dt_p, A, B[0], C[0], chunk_size, D, initial_states, cu_seqlens,
+    y, finals, at = ssd.chunk_scan(x[0], dt_p, A, B[0], C[0], chunk_size, D, initial_states, cu_seqlens,
                                       grid + tracked)
     chunks, track = at[:len(grid)], (at[len(grid):] if tracked else None)
     if z is not None:

@@ -33,15 +33,14 @@ def _expand_groups(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def ssd_sequence(x, dt, A, B, C, initial_state, chunk_size: int, state_at=()):
     """One sequence. x: [T, H, P]; dt: [T, H] (processed); A: [H]; B, C: [T, H, N]; initial_state: [H, P, N].
-    Returns (y [T, H, P] without the D term, final state, states entering each chunk [nc, H, P, N],
-    {position: state after that many tokens} for each position in `state_at`)."""
+    Returns (y [T, H, P] without the D term, final state, {position: state after that many tokens} for each
+    position in `state_at`)."""
     T = x.shape[0]
     S = initial_state.float()
     y = torch.empty(T, *x.shape[1:], dtype=torch.float32)
-    entering, wanted = [], {}
+    wanted = {}
     for start in range(0, T, chunk_size):
         end = min(start + chunk_size, T)
-        entering.append(S)
         for pos in state_at:
             if start < pos < end:  # mid-chunk: the state after pos - start of this chunk's tokens
                 wanted[pos] = _advance(S, x[start:pos], dt[start:pos], A, B[start:pos])
@@ -53,8 +52,7 @@ def ssd_sequence(x, dt, A, B, C, initial_state, chunk_size: int, state_at=()):
     for pos in state_at:
         if pos == 0:
             wanted[pos] = initial_state.float()
-    chunks = torch.stack(entering) if entering else initial_state.float().new_zeros(0, *initial_state.shape)
-    return y, S, chunks, wanted
+    return y, S, wanted
 
 
 def _chunk(S, x, dt, A, B, C):
@@ -82,30 +80,28 @@ def _advance(S, x, dt, A, B):
 
 def chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_states=None, cu_seqlens=None, state_at=None):
     """Packed varlen prefill. x: [T, H, P]; dt: [T, H] (processed); B, C: [T, G, N]; initial_states: [n, H, P, N]
-    or None (zeros). Returns (y [T, H, P] float32 with the D term, final states [n, H, P, N], per-chunk entering
-    states [total chunks, H, P, N] (chunks counted per sequence), states at the requested ends: `state_at` is a list
-    of (sequence, position within it) and the result a [len, H, P, N] tensor)."""
+    or None (zeros). Returns (y [T, H, P] float32 with the D term, final states [n, H, P, N], the states at
+    `state_at`, a list of (sequence, position within it): a [len, H, P, N] tensor, or None)."""
     T, H, P = x.shape
     N = B.shape[-1]
     Bh, Ch = _expand_groups(B, H), _expand_groups(C, H)
     bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
     y = torch.empty(T, H, P, dtype=torch.float32)
-    finals, chunks = [], []
+    finals = []
     requested = {}
     for (seq, pos) in state_at or ():
         requested.setdefault(seq, []).append(pos)
     found = {}
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         init = x.new_zeros(H, P, N, dtype=torch.float32) if initial_states is None else initial_states[i]
-        y[s:e], final, entering, wanted = ssd_sequence(x[s:e], dt[s:e], A, Bh[s:e], Ch[s:e], init, chunk_size,
-                                                       requested.get(i, ()))
+        y[s:e], final, wanted = ssd_sequence(x[s:e], dt[s:e], A, Bh[s:e], Ch[s:e], init, chunk_size,
+                                             requested.get(i, ()))
         finals.append(final)
-        chunks.append(entering)
         found.update({(i, pos): st for pos, st in wanted.items()})
     if D is not None:
         y = y + x.float() * (D.float() if D.dim() == 2 else D.float()[:, None])
     track = torch.stack([found[k] for k in state_at]) if state_at else None
-    return y, torch.stack(finals), torch.cat(chunks), track
+    return y, torch.stack(finals), track
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
