@@ -104,6 +104,21 @@ class Mamba2:
 
 
 @dataclass(frozen=True)
+class Kda:
+    """Kimi Linear's mixers: KDA layers (K) and MLA attention layers (*) in `pattern`, as Moonshot's
+    `linear_attn_config` lists them (1-indexed `kda_layers` / `full_attn_layers`). The MLA layers are NoPE (Kimi's
+    `mla_use_nope`): the rope part of each key is still projected, and shared, but never rotated."""
+
+    pattern: str
+    num_heads: int
+    head_dim: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class Preset:
     model_type: str  # transformers model_type; its causal LM class is the checkpoint's architecture
     num_hidden_layers: int
@@ -134,6 +149,8 @@ class Preset:
     mrope_section: tuple[int, ...] | None = None
     # Nemotron-H (model_type nemotron_h): its Mamba2 layers and pattern; num_hidden_layers is the pattern's length.
     mamba2: Mamba2 | None = None
+    # Kimi Linear (model_type kimi_linear): its KDA and MLA layers; num_hidden_layers is the pattern's length.
+    kda: Kda | None = None
 
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
@@ -197,6 +214,14 @@ PRESETS: dict[str, Preset] = {
     "tiny-falcon-h1": Preset(
         model_type="falcon_h1", **dict(TINY, num_hidden_layers=4),
         mamba2=Mamba2(pattern="", num_heads=8, head_dim=16, n_groups=1, state_size=16),
+    ),
+    # Kimi Linear (kimi_linear, KDA + MLA): layer 1 a dense MLP and the rest Kimi's MoE (sigmoid router with a
+    # score-correction bias, one shared expert), as Moonshot's first_k_dense_replace = 1.
+    "tiny-kimi-linear": Preset(
+        model_type="kimi_linear", **TINY,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16),
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
@@ -421,6 +446,40 @@ def falcon_h1_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     )
 
 
+def kimi_linear_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' KimiLinearConfig from the fields Moonshot's config.json has (`moonshot_config_fields`)."""
+    return AutoConfig.for_model("kimi_linear", **moonshot_config_fields(preset, tokenizer))
+
+
+def moonshot_config_fields(preset: Preset, tokenizer: Tokenizer) -> dict:
+    """Kimi-Linear-48B-A3B's config.json keys at `preset`'s sizes: the layer pattern as 1-indexed
+    `linear_attn_config` lists, the MoE as `num_experts` / `num_experts_per_token` / `num_shared_experts` with a
+    sigmoid router, NoPE MLA without a query low-rank. Both transformers and SGLang read these."""
+    k, moe = preset.kda, preset.moe
+    if len(k.pattern) != preset.num_hidden_layers:
+        raise ValueError(f"pattern {k.pattern!r} has {len(k.pattern)} layers, not {preset.num_hidden_layers}")
+    return dict(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_attention_heads, head_dim=k.qk_rope_head_dim,
+        q_lora_rank=None, kv_lora_rank=k.kv_lora_rank, qk_nope_head_dim=k.qk_nope_head_dim,
+        qk_rope_head_dim=k.qk_rope_head_dim, v_head_dim=k.v_head_dim, mla_use_nope=True,
+        linear_attn_config={
+            "kda_layers": [i + 1 for i, c in enumerate(k.pattern) if c == "K"],
+            "full_attn_layers": [i + 1 for i, c in enumerate(k.pattern) if c == "*"],
+            "head_dim": k.head_dim, "num_heads": k.num_heads, "short_conv_kernel_size": 4,
+        },
+        num_experts=moe.num_experts, num_experts_per_token=moe.num_experts_per_tok,
+        moe_intermediate_size=moe.moe_intermediate_size,
+        num_shared_experts=moe.shared_expert_intermediate_size // moe.moe_intermediate_size,
+        first_k_dense_replace=1, moe_layer_freq=1, moe_renormalize=True, moe_router_activation_func="sigmoid",
+        routed_scaling_factor=2.446, use_grouped_topk=True, num_expert_group=1, topk_group=1,
+        rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=preset.max_position_embeddings,
+        model_max_length=preset.max_position_embeddings, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tokenizer.token_to_id(IM_END), pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def nvidia_config_fields(config: dict) -> dict:
     """config.json as NVIDIA writes Nemotron-H's: the layer pattern as `hybrid_override_pattern` (transformers 5
     writes `layers_block_type`), and the Mamba2 sizes under both of the names SGLang's and transformers' configs
@@ -445,6 +504,8 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return falcon_h1_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
+    if preset.model_type == "kimi_linear":
+        return kimi_linear_config(preset, tokenizer)
     if preset.vision is not None:
         return vision_language_config(preset, tokenizer)
     moe_fields = {}
@@ -516,6 +577,19 @@ def _init_mamba2_gates(model: PreTrainedModel, unit_output: bool = False) -> Non
 
 
 @torch.no_grad()
+def _init_kda_gates(model: PreTrainedModel) -> None:
+    """Kimi Linear's KDA channels get the GDN presets' memories: A = 1 and softplus(dt_bias) = 1 / tau per key
+    channel, tau log-spaced over GDN_MEMORY_TOKENS across each layer's heads x channels (the forget-gate projection,
+    std 0.02, modulates it per token)."""
+    low, high = (math.log10(tokens) for tokens in GDN_MEMORY_TOKENS)
+    for module in model.modules():
+        if type(module).__name__ == "KimiLinearForgetGate":
+            rate = 1.0 / torch.logspace(low, high, module.dt_bias.numel())
+            module.dt_bias.copy_(torch.log(torch.expm1(rate)))
+            module.A_log.zero_()
+
+
+@torch.no_grad()
 def _vary_norm_weights(model: PreTrainedModel) -> None:
     """Norm weights drawn around 1 instead of all ones, so that an implementation applying one norm in another's
     place (OLMo-Hybrid has four kinds per layer pair: pre, post-attention, post-feedforward, q/k, gated) gives
@@ -535,6 +609,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _init_mamba2_gates(model, unit_output=config.model_type == "granitemoehybrid")
     if config.model_type == "olmo_hybrid":
         _vary_norm_weights(model)
+    if config.model_type == "kimi_linear":
+        _init_kda_gates(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 
@@ -580,9 +656,26 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config = json.loads(config_file.read_text())
         config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]
         config_file.write_text(json.dumps(config, indent=2) + "\n")
+    elif preset.model_type == "kimi_linear":  # as Moonshot ships Kimi Linear (transformers 5 writes HF's names)
+        written = json.loads(config_file.read_text())
+        config = {key: written[key] for key in ("architectures", "model_type", "dtype", "transformers_version")}
+        config_file.write_text(json.dumps(dict(config, **moonshot_config_fields(preset, tokenizer)), indent=2) + "\n")
+        _moonshot_dense_mlp_names(staging / "model.safetensors")
     marker = dict(record, num_parameters=model.num_parameters())
     # Written last: a directory without it is never mistaken for a finished build.
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _moonshot_dense_mlp_names(weights: Path) -> None:
+    """transformers 5 saves Kimi Linear's dense MLP (the first_k_dense_replace layers) under `block_sparse_moe.`, the
+    MoE's name in Moonshot's checkpoints; Moonshot's dense layers are `mlp.`, which is what SGLang loads."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    dense = {name for name in tensors if ".block_sparse_moe." in name
+             and name.rsplit(".", 2)[-2] in ("gate_proj", "up_proj", "down_proj") and ".shared_experts." not in name}
+    renamed = {name.replace(".block_sparse_moe.", ".mlp.") if name in dense else name: t for name, t in tensors.items()}
+    save_file(renamed, weights, metadata={"format": "pt"})
 
 
 def _publish(staging: Path, out_dir: Path, record: dict) -> None:

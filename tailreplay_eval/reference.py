@@ -18,6 +18,8 @@ _GDN_FUNCTIONS = {
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
     "transformers.models.olmo_hybrid.modeling_olmo_hybrid": (
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
+    "transformers.models.kimi_linear.modeling_kimi_linear": (
+        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"),
 }
 
 

@@ -107,6 +107,14 @@ INTERVAL_ANCHORS = (
          f"{_PKG}.lifecycle:write_anchor_ssm_states",
          "SGLang's chunked GDN prefill (fla's Triton kernel, or the fallback's op): the states it returns for every "
          "64-token chunk hold the planned anchors' SSM states", bound=True),
+    Hook(f"{_SRT}.layers.attention.linear.kda_backend.causal_conv1d_fn", "around",
+         f"{_PKG}.lifecycle:write_anchor_conv_states",
+         "KDA's prefill conv (every device): as GDN's, the planned anchors' conv states are the inputs before each "
+         "offset", bound=True),
+    Hook(f"{_SRT}.layers.attention.linear.kernels.kda_triton.TritonKDAKernel.extend", "around",
+         f"{_PKG}.lifecycle:write_anchor_kda_states",
+         "KDA's chunked prefill (fla's Triton kernel, or the CPU op): asked for its per-chunk states when anchors "
+         "are planned, which hold their SSM states", bound=True),
     Hook(f"{_SRT}.layers.attention.mamba.mamba.MambaMixer2.forward", "around",
          f"{_PKG}.lifecycle:write_anchor_mamba2_states",
          "every Mamba2 mixer's forward (every device): its scan returns the per-chunk states on a grid over the packed "
@@ -146,6 +154,17 @@ CPU_ENGINE = (
     Hook(f"{_SRT}.layers.attention.mamba.mamba.mamba_chunk_scan_combined", "call", f"{_PKG}.cpu.mamba2:install",
          "the Mamba2 mixer (Nemotron-H, Granite-4.0-H, Falcon-H1) binds its causal conv only on CUDA / NPU / XPU and "
          "its SSD scan and decode update are Triton: all six names bound to torch bodies"),
+    Hook(f"{_SRT}.layers.attention.linear.kernels.kda_triton.chunk_kda", "call", f"{_PKG}.cpu.kda:install",
+         "Kimi Linear's KDA kernel module imports its prefill and decode kernels only off CPU: both names bound "
+         "to torch bodies"),
+    Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
+         f"{_PKG}.cpu.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
+    Hook(f"{_SRT}.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry", "call",
+         f"{_PKG}.cpu.kda:register_mla_handler",
+         "MLA (Kimi Linear's attention) on torch_native: SGLang's dispatch sends a fresh prefill down the MHA path, "
+         "whose per-head keys torch_native does not keep; the absorbed path attends the cached latent"),
+    Hook(f"{_SRT}.layers.moe.fused_moe_native.moe_forward_native", "around", f"{_PKG}.cpu.moe:scale_routed_output",
+         "SGLang's CPU MoE drops the routed-expert scale (Kimi Linear's 2.446) that its GPU runner applies"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.cpu.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

@@ -12,6 +12,9 @@ MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the 
 attention layers cut after its last Mamba2 layer: the MLP layers between its Mamba2 layers feed them and are
 replayed, those after the last one feed nothing the states depend on.
 
+Kimi Linear's KDA (`KDA`) layers are laid out as Qwen3.5's GDN ones (a KDA or MLA mixer, then a dense MLP or MoE, in
+every layer); its `linear_attn_config` lists the KDA layers, 1-indexed.
+
 Vision-language checkpoints (a `vision_config`: Qwen3.5 as Qwen publishes it) store group 0's input too. There the
 first layer's input is not a function of the token id: SGLang puts the vision tower's features in the rows of image
 tokens (whose ids it clamps to vocab - 1), and a request may bring its own `input_embeds`. Storing that input costs
@@ -24,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
-GDN, MAMBA2 = "gdn", "mamba2"
+GDN, MAMBA2, KDA = "gdn", "mamba2", "kda"
 SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid (Gated DeltaNet: "
              "models whose config lists linear_attention layers), Nemotron-H with MLP layers (Mamba2: "
              "NemotronHForCausalLM, a hybrid_override_pattern of M, - and * layers) and Granite-4.0-H (Mamba2: "
-             "GraniteMoeHybridForCausalLM)")
+             "GraniteMoeHybridForCausalLM) and Kimi Linear (KDA: KimiLinearForCausalLM)")
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
@@ -54,7 +57,7 @@ class HybridLayout:
     layer_types: tuple[str, ...]
     hidden_size: int
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
-    mixer: str = GDN  # the recurrent mixer: GDN or MAMBA2
+    mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2 or KDA
     chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
 
     @property
@@ -144,8 +147,7 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     Falcon-H1 runs attention and Mamba2 side by side in every layer, so every layer is its own group and the store
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
-    2 x 2 x 128 = 512, 6x, if its config is as we read it); the store would displace that much KV. Kimi Linear's KDA mixer has no CPU ops here
-    to serve or test it with."""
+    2 x 2 x 128 = 512, 6x, if its config is as we read it); the store would displace that much KV."""
     if any(a in PARALLEL_HYBRIDS for a in architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
@@ -155,8 +157,6 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          f"values per layer per token beside the KV cache's {kv_values} "
                          f"({text_config.hidden_size / kv_values:.1f}x the KV cache, which it would displace). "
                          f"Supported: {SUPPORTED}")
-    if any(a in KDA_ARCHITECTURES for a in architectures):
-        raise ValueError(f"--enable-tail-replay does not replay Kimi Linear's KDA layers yet. Supported: {SUPPORTED}")
 
 
 def mamba_chunk_size(text_config) -> int:
@@ -166,10 +166,16 @@ def mamba_chunk_size(text_config) -> int:
 
 
 def mixer_of(architectures) -> str:
+    if any(a in KDA_ARCHITECTURES for a in architectures):
+        return KDA
     return MAMBA2 if any(a in MAMBA2_ARCHITECTURES for a in architectures) else GDN
 
 
 def layer_kinds(text_config) -> tuple[str, ...]:
+    linear = getattr(text_config, "linear_attn_config", None)
+    if linear:  # Kimi Linear as Moonshot writes it: 1-indexed KDA layers, the rest MLA
+        kda = set(linear["kda_layers"])
+        return tuple(LINEAR if i + 1 in kda else FULL for i in range(text_config.num_hidden_layers))
     pattern = getattr(text_config, "hybrid_override_pattern", None)
     if pattern:  # Nemotron-H as NVIDIA writes it
         return tuple(PATTERN_KINDS[c] for c in pattern)

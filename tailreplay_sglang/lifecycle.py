@@ -15,6 +15,7 @@ Lifecycle of a hit:
 The hidden store is sized with the KV pool and charged to its per-token cell size, so fewer tokens fit.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -121,6 +122,19 @@ def write_anchor_ssm_states(runtime: TailReplayRuntime, original, *args, **kwarg
     return out
 
 
+def write_anchor_kda_states(runtime: TailReplayRuntime, original, kernel, *args, **kwargs):
+    """AROUND SGLang's KDA prefill kernel (`TritonKDAKernel.extend`, every device): the planned anchors' SSM states,
+    from its per-chunk states, which it is asked for whenever an anchor is planned (extra_buffer asks for them
+    too; the caller gets the shape it asked for)."""
+    anchors = runtime.interval_anchors
+    if not anchors.by_slot:
+        return original(kernel, *args, **kwargs)
+    wanted = kwargs.get("return_intermediate_states", False)
+    out = original(kernel, *args, **dict(kwargs, return_intermediate_states=True))
+    anchors.write_ssm_states(out[1], kwargs["ssm_states"], kwargs["cache_indices"], kwargs["query_start_loc"])
+    return out if wanted else out[0]
+
+
 def write_anchor_mamba2_states(runtime: TailReplayRuntime, original, mixer, *args, **kwargs):
     """AROUND SGLang's `MambaMixer2.forward` (every device; called with keywords): the planned anchors' states of
     this layer, from the per-chunk states the mixer's scan returned."""
@@ -141,8 +155,12 @@ def drop_interval_anchors(runtime: TailReplayRuntime, result, cache, req, *args,
 
 
 def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch, *args, **kwargs):
+    """The batch's replays, before its extend. Interval anchors are paused meanwhile: a replay that goes through a
+    hooked kernel (KDA's) runs on the same slots as the extend the anchors are planned for."""
     if runtime.store is not None and forward_batch.forward_mode.is_extend():
-        replay.run_pending(runner, forward_batch, runtime.store, runtime.pending, runtime.config, runtime.metrics)
+        anchors = runtime.interval_anchors
+        with anchors.paused() if anchors is not None else contextlib.nullcontext():
+            replay.run_pending(runner, forward_batch, runtime.store, runtime.pending, runtime.config, runtime.metrics)
     return result
 
 

@@ -25,10 +25,11 @@ import torch
 
 from tailreplay_sglang import visibility
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import MAMBA2
+from tailreplay_sglang.layout import KDA, MAMBA2
 from tailreplay_sglang.ops.gdn import gdn_gating
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
+from tailreplay_sglang.replay_kda import replay_kda_mixer
 from tailreplay_sglang.replay_mamba2 import replay_mixer
 from tailreplay_sglang.cache.pending import Match, PendingReplays
 from tailreplay_sglang.store.transfer import HostToDevice
@@ -93,6 +94,9 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
         if store.layout.mixer == MAMBA2:
             replay_mamba2_group(model, pool, group, x, batch)
             continue
+        if store.layout.mixer == KDA:
+            replay_kda_group(model, pool, group, x, batch)
+            continue
         for i, layer_id in enumerate(group.recurrent_layers):
             last = i == len(group.recurrent_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
@@ -121,6 +125,20 @@ def replay_mamba2_group(model, pool, group, x: torch.Tensor, batch: ReplayBatch)
         x = x + scale * _tp_reduced(out, mixer.out_proj)
         if granite:
             x = x + scale * _tp_reduced(_granite_ffn(layer, layer.post_attention_layernorm(x)), mixer.out_proj)
+
+
+def replay_kda_group(model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
+    """A Kimi Linear group, its KDA layers in order (`replay_kda`); the last one's mixer output and feed-forward feed
+    nothing the states depend on."""
+    for layer_id in group.recurrent_layers:
+        layer = model.layers[layer_id]
+        out, log_decay = replay_kda_mixer(layer.self_attn, pool.mamba2_layer_cache(layer_id), layer.input_layernorm(x),
+                                          batch.cu_seqlens, batch.tail_lens, batch.mamba_slots)
+        batch.log_survival = torch.maximum(batch.log_survival, tail_log_survival(log_decay, batch))
+        if layer_id == group.recurrent_layers[-1]:
+            return
+        x = x + _tp_reduced(out, layer.self_attn.o_proj)
+        x = x + _tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), _reduction_owner(layer.mlp))
 
 
 def _granite_ffn(layer, h: torch.Tensor) -> torch.Tensor:

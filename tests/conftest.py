@@ -45,6 +45,11 @@ def tiny_nemotron_h() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_linear() -> Path:
+    return build_model("tiny-kimi-linear", MODELS_DIR / "tiny-kimi-linear")
+
+
+@pytest.fixture(scope="session")
 def tiny_falcon_h1() -> Path:
     return build_model("tiny-falcon-h1", MODELS_DIR / "tiny-falcon-h1")
 

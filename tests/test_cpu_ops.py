@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from helpers import rel_err
 from tailreplay_sglang.cpu import fused, mamba2
-from tailreplay_sglang.ops import conv, gdn, naive
+from tailreplay_sglang.cpu import kda as cpu_kda
+from tailreplay_sglang.ops import conv, gdn, kda, naive
 
 TOL = 1e-5
 
@@ -629,6 +630,124 @@ def test_mamba2_install_binds_the_mixer_kernel_names_under_the_cpu_engine():
     its Triton scan cannot run), `install` binds all six names the mixer calls to cpu.mamba2."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     out = subprocess.run([sys.executable, "-c", MAMBA2_INSTALL_CHECK], capture_output=True, text=True, timeout=180,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+# ---- KDA (Kimi Linear): ops.kda and cpu.kda's SGLang-signature wrappers against the float64 recurrence ----
+
+# (lengths of the packed sequences, heads H, K, V)
+KDA_CASES = [([5], 2, 16, 16), ([64], 3, 16, 8), ([1, 130, 64, 65], 2, 32, 16), ([200, 3], 4, 8, 24)]
+
+
+def _kda_inputs(lengths, H, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k = torch.randn(1, T, H, K, generator=g), torch.randn(1, T, H, K, generator=g)
+    v = torch.randn(1, T, H, V, generator=g)
+    raw_gate, raw_beta = torch.randn(1, T, H, K, generator=g) * 2, torch.randn(1, T, H, generator=g)
+    A_log, dt_bias = torch.randn(H, generator=g) * 0.5, torch.randn(H * K, generator=g)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return q, k, v, raw_gate, raw_beta, A_log, dt_bias, cu
+
+
+def _kda_reference(q, k, v, gate, beta, initial, s, e):
+    f = lambda x: x[0, s:e].double()
+    return naive.naive_recurrent_kda(f(q), f(k), f(v), gate[s:e], beta[0, s:e].double().sigmoid(),
+                                     None if initial is None else initial.double(), use_qk_l2norm=True)
+
+
+@pytest.mark.parametrize("lengths,H,K,V", KDA_CASES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_kda_matches_recurrence(lengths, H, K, V, lower_bound):
+    """The chunked prefill (gate, beta and l2norm inside, states from and into pool slots, a pad slot) against the
+    token-by-token recurrence in float64, on outputs, final states and the state entering every 64-token chunk."""
+    q, k, v, raw_gate, raw_beta, A_log, dt_bias, cu = _kda_inputs(lengths, H, K, V, seed=len(lengths) + H)
+    pool = torch.randn(8, H, V, K)
+    slots = torch.tensor([7, -1, 2, 5][:len(lengths)])
+    before = pool.clone()
+    o, finals, h = kda.chunk_kda(q, k, v, raw_gate, raw_beta, pool, cu, slots, True, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound, beta_is_raw=True, chunk_states=True)
+    gate = kda.kda_gate(raw_gate[0].double(), A_log.double(), dt_bias.double(), lower_bound)
+    row = 0
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        initial = None if slots[i] < 0 else before[slots[i]]
+        ref_o, ref_state = _kda_reference(q, k, v, gate, raw_beta, initial, s, e)
+        assert rel_err(o[0, s:e], ref_o) < TOL and rel_err(finals[i], ref_state) < TOL, i
+        if slots[i] >= 0:
+            assert rel_err(pool[slots[i]], ref_state) < TOL
+        for c in range(0, e - s, 64):  # h: the state entering each chunk
+            entering = initial if c == 0 else _kda_reference(q, k, v, gate, raw_beta, initial, s, s + c)[1]
+            expected = torch.zeros(H, V, K) if entering is None else entering
+            assert rel_err(h[0, row], expected) < TOL, (i, c)
+            row += 1
+    assert row == h.shape[1]
+
+
+def test_kda_gate_formulas():
+    raw, A_log, dt_bias = torch.randn(5, 2, 4), torch.randn(2), torch.randn(8)
+    x = raw + dt_bias.view(2, 4)
+    assert torch.allclose(kda.kda_gate(raw, A_log, dt_bias), -A_log.exp()[:, None] * F.softplus(x))
+    assert torch.allclose(kda.kda_gate(raw, A_log, dt_bias, -5.0), -5.0 * torch.sigmoid(A_log.exp()[:, None] * x))
+
+
+def test_kda_decode_continues_chunked_prefill():
+    """SGLang's decode entry (cpu.kda.fused_sigmoid_gating_delta_rule_update, raw gate [T, H * K], beta [1, T, H])
+    continues the prefill's states one token per slot: the whole equals the recurrence over prompt + steps."""
+    lengths, H, K, V, steps = [70, 9], 2, 16, 8, 3
+    q, k, v, raw_gate, raw_beta, A_log, dt_bias, cu = _kda_inputs([n + steps for n in lengths], H, K, V, seed=9)
+    pool, slots = torch.zeros(4, H, V, K), torch.tensor([3, 1])
+    rows = [torch.arange(s, s + n) for s, n in zip(cu[:-1].tolist(), lengths)]
+    prefill = torch.cat(rows)
+    cu_p = torch.tensor([0] + lengths).cumsum(0)
+    out_p = cpu_kda.chunk_kda(q[:, prefill], k[:, prefill], v[:, prefill], raw_gate[:, prefill],
+                              raw_beta[:, prefill], initial_state=pool, initial_state_indices=slots,
+                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu_p, A_log=A_log, dt_bias=dt_bias,
+                              beta_is_raw=True)
+    outs = []
+    for step in range(steps):
+        at = torch.tensor([s + n + step for s, n in zip(cu[:-1].tolist(), lengths)])
+        outs.append(cpu_kda.fused_sigmoid_gating_delta_rule_update(
+            A_log, dt_bias, q[:, at], k[:, at], v[:, at], raw_gate[0, at].reshape(len(at), -1), raw_beta[:, at],
+            pool, slots, use_qk_l2norm_in_kernel=True, is_kda=True))
+    gate = kda.kda_gate(raw_gate[0].double(), A_log.double(), dt_bias.double())
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_o, ref_state = _kda_reference(q, k, v, gate, raw_beta, None, s, e)
+        assert rel_err(out_p[0, cu_p[i]:cu_p[i + 1]], ref_o[:-steps]) < TOL, i
+        assert rel_err(torch.stack([o[0, i] for o in outs]), ref_o[-steps:]) < TOL, i
+        assert rel_err(pool[slots[i]], ref_state) < TOL, i
+
+
+def test_chunk_kda_track_state_snapshots_the_chunk_sglang_asks_for():
+    """extra_buffer's `track_state[n]` = sequence n's state entering its chunk `track_chunk_idx[n]` (-1: none), the
+    row of `h` SGLang reads otherwise."""
+    lengths, H, K, V = [130, 5, 200], 2, 8, 8
+    q, k, v, raw_gate, raw_beta, A_log, dt_bias, cu = _kda_inputs(lengths, H, K, V, seed=4)
+    track = torch.full((3, H, V, K), 7.0)
+    o, h = cpu_kda.chunk_kda(q, k, v, raw_gate, raw_beta, initial_state=torch.zeros(3, H, V, K),
+                             initial_state_indices=torch.arange(3), use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                             A_log=A_log, dt_bias=dt_bias, beta_is_raw=True, output_intermediate_states=True,
+                             track_state=track, track_chunk_idx=torch.tensor([2, -1, 1]))
+    assert torch.equal(track[0], h[0, 2]) and torch.equal(track[2], h[0, 3 + 1 + 1])
+    assert torch.all(track[1] == 7.0)
+
+
+KDA_INSTALL_CHECK = """
+import sglang.srt.layers.attention.linear.kernels.kda_triton as kernels
+from tailreplay_sglang.cpu import kda
+kda.install()
+assert kernels.__name__ == kda.KERNEL_MODULE
+assert kernels.chunk_kda is kda.chunk_kda
+assert kernels.fused_sigmoid_gating_delta_rule_update is kda.fused_sigmoid_gating_delta_rule_update
+print("ok")
+"""
+
+
+def test_kda_install_binds_the_kernel_names_under_the_cpu_engine():
+    """In a fresh SGLANG_USE_CPU_ENGINE=1 interpreter, where SGLang's KDA kernel module imports neither kernel."""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    out = subprocess.run([sys.executable, "-c", KDA_INSTALL_CHECK], capture_output=True, text=True, timeout=180,
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")

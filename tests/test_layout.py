@@ -108,9 +108,9 @@ def test_nemotron_h_moe_layers_and_off_grid_anchor_intervals_are_refused(tiny_ne
         plugin._for_mixer(cfg, dataclasses.replace(lay, chunk_size=256))
 
 
-def test_falcon_h1_and_kimi_linear_are_refused_with_the_reason(tiny_falcon_h1, tmp_path):
+def test_falcon_h1_is_refused_with_the_reason(tiny_falcon_h1):
     """Falcon-H1: every layer is attention beside Mamba2, so every layer's input would be stored; the refusal gives
-    the store-to-KV ratio from the checkpoint's config. Kimi Linear (KDA): not replayed yet."""
+    the store-to-KV ratio from the checkpoint's config."""
     import json
     import shutil
 
@@ -122,10 +122,17 @@ def test_falcon_h1_and_kimi_linear_are_refused_with_the_reason(tiny_falcon_h1, t
         with pytest.raises(ValueError, match=r"Falcon-H1: .* keep 64 values per layer per token beside the KV "
                                              r"cache's 64 \(1.0x the KV cache"):
             make()
-    path = tmp_path / "kimi"
-    shutil.copytree(tiny_falcon_h1, path)
-    config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["KimiLinearForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="Kimi Linear's KDA layers"):
-        HybridLayout.from_model_path(str(path))
+
+
+def test_kimi_linear_groups_from_its_linear_attn_config(tiny_kimi_linear):
+    """Moonshot's 1-indexed kda_layers [1, 2, 3, 5, 6, 7] (full_attn_layers [4, 8]): two KDA groups, the second fed
+    by the stored output of MLA layer 3; read the same from config.json and from transformers' config."""
+    from transformers import AutoConfig
+
+    from tailreplay_sglang.layout import KDA
+
+    for lay in (HybridLayout.from_model_path(str(tiny_kimi_linear)),
+                HybridLayout.from_hf_config(AutoConfig.from_pretrained(tiny_kimi_linear))):
+        assert lay.mixer == KDA
+        assert [g.recurrent_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6)]
+        assert [g.first_layer for g in lay.stored_groups] == [4]

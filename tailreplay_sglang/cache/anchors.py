@@ -22,6 +22,7 @@ depth, splitting the node there; an anchor the tree cannot take (a state already
 depth off the page grid) is freed.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -58,6 +59,15 @@ class IntervalAnchors:
         # physical anchor slots whose conv / SSM state a hook wrote, until the anchor is inserted or freed
         self.written: dict[str, set[int]] = {"conv": set(), "ssm": set()}
         self.warned_unwritten = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No anchor is written inside (the replay pass runs on the slots the plan is keyed by)."""
+        by_slot, self.by_slot = self.by_slot, {}
+        try:
+            yield
+        finally:
+            self.by_slot = by_slot
 
     def write_conv_states(self, x, conv_states, cache_indices, query_start_loc, has_initial_state) -> None:
         """Before SGLang's prefill conv (x: its input, [dim, T] packed): each planned anchor's conv state, the

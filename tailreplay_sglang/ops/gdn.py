@@ -125,21 +125,31 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm(qf), l2norm(kf)
     qf, kf = _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV)
-    vf, gf, bf = v[0].float(), g[0].float(), beta[0].float()
+    gf, bf = g[0].float(), beta[0].float()
+    return scan_packed(_chunk_scan, qf, kf, v, gf, bf, initial_state, cu_seqlens, initial_state_indices, chunk_size,
+                       state_only, chunk_states)
 
+
+def scan_packed(chunk_scan, qf, kf, v, gf, bf, initial_state, cu_seqlens, initial_state_indices, chunk_size: int,
+                state_only: bool, chunk_states: bool):
+    """Run a one-sequence `chunk_scan` (GDN's or KDA's) over each sequence of a packed batch: float32 q, k, gates,
+    betas `[T, HV, ...]` and v `[1, T, HV, V]`, states read from and written to the pool; returns what
+    `chunk_gated_delta_rule` does."""
+    HV, V, K = v.shape[2], v.shape[-1], kf.shape[-1]
+    vf = v[0].float()
     o = None if state_only else torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
     finals, entering = [], [] if chunk_states else None
     for i, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
-        state = _read_state(initial_state, initial_state_indices, i, HV, v.shape[-1], K)
+        state = _read_state(initial_state, initial_state_indices, i, HV, V, K)
         seq = [x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf, bf)]
-        o_seq, state = _chunk_scan(*seq, state, chunk_size, state_only, entering)
+        o_seq, state = chunk_scan(*seq, state, chunk_size, state_only, entering)
         if o is not None:
             o[start:end] = o_seq.transpose(0, 1)
         _write_state(initial_state, initial_state_indices, i, state)
         finals.append(state)
     o = None if o is None else o.unsqueeze(0).to(v.dtype)
     if chunk_states:
-        h = torch.stack(entering) if entering else v.new_empty(0, HV, v.shape[-1], K, dtype=torch.float32)
+        h = torch.stack(entering) if entering else v.new_empty(0, HV, V, K, dtype=torch.float32)
         return o, torch.stack(finals), h.unsqueeze(0)
     return o, torch.stack(finals)
 
@@ -179,23 +189,31 @@ def recurrent_gated_delta_rule_update(
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm(qf), l2norm(kf)
     qf, kf = _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV)
-    vf = v[0].float()
+    return recurrent_steps(qf, kf, v, g[0].unsqueeze(-1), beta[0], initial_state_source, initial_state_indices,
+                           cu_seqlens)
 
+
+def recurrent_steps(qf, kf, v, g, beta, pool, indices, cu_seqlens):
+    """The delta rule token by token on every sequence at once, states read from and written back to the pool:
+    float32 q, k [T, HV, K] (q scaled), v [1, T, HV, V], log decays g [T, HV, 1] (GDN) or [T, HV, K] (KDA, per key
+    channel), beta [T, HV]. Returns o: [1, T, HV, V] in v's dtype."""
+    HV, K = v.shape[2], kf.shape[-1]
+    vf = v[0].float()
     bounds = _seq_bounds(cu_seqlens, v.shape[1]) if cu_seqlens is not None else [(t, t + 1) for t in range(v.shape[1])]
-    slots = initial_state_indices.long()
+    slots = indices.long()
     live = slots >= 0
     state = torch.zeros(len(bounds), HV, v.shape[-1], K, dtype=torch.float32, device=v.device)
-    state[live] = initial_state_source[slots[live]].float()
+    state[live] = pool[slots[live]].float()
     starts = torch.tensor([s for s, _ in bounds], device=v.device)
     lens = torch.tensor([e - s for s, e in bounds], device=v.device)
     o = torch.zeros(v.shape[1:], dtype=torch.float32, device=v.device)
     for step in range(int(lens.max()) if len(bounds) else 0):
         active = lens > step
         t = (starts + step)[active]
-        s = state[active] * g[0, t].exp()[..., None, None]
-        delta = beta[0, t].unsqueeze(-1) * (vf[t] - (s @ kf[t].unsqueeze(-1)).squeeze(-1))
+        s = state[active] * g[t].exp().unsqueeze(-2)
+        delta = beta[t].unsqueeze(-1) * (vf[t] - (s @ kf[t].unsqueeze(-1)).squeeze(-1))
         s = s + delta.unsqueeze(-1) * kf[t].unsqueeze(-2)
         o[t] = (s @ qf[t].unsqueeze(-1)).squeeze(-1)
         state[active] = s
-    initial_state_source[slots[live]] = state[live].to(initial_state_source.dtype)
+    pool[slots[live]] = state[live].to(pool.dtype)
     return o.unsqueeze(0).to(v.dtype)

@@ -1,18 +1,23 @@
-"""The Mamba2 hybrids served by the real SGLang server on CPU: stock against HF transformers, and Tail-Replay's hits
-against the server's own no-cache prefill. Every test runs once per family (a module-scoped parametrized fixture):
+"""The Mamba2 and KDA hybrids served by the real SGLang server on CPU: stock against HF transformers, and
+Tail-Replay's hits against the server's own no-cache prefill. Every test runs once per family (a module-scoped
+parametrized fixture):
 
 - `tiny-nemotron-h` (pattern M-M*-MM-*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
   stage between two Mamba2 layers, group 1 starts with an MLP stage;
 - `tiny-granite-4.0-h` (layer_types mamba / attention as IBM ships Granite-4.0-H): each layer a mixer and a MoE +
-  shared MLP, with Granite 4's embedding, residual, attention and logits multipliers.
+  shared MLP, with Granite 4's embedding, residual, attention and logits multipliers;
+- `tiny-kimi-linear` (KDA and NoPE MLA layers, linear_attn_config as Moonshot ships Kimi Linear): a dense first
+  layer, then Kimi's MoE (sigmoid router with a score-correction bias, routed scale 2.446, a shared expert).
 
-Both have Mamba2 heads with memories of 16 to 512 tokens and unit-gain projections (`models._init_mamba2_gates`),
-so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run either on a CPU at all ("name
-'causal_conv1d_fn_triton' is not defined"); `cpu/mamba2.py` gives it its ops.
+All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
+Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
+them on a CPU ("name 'causal_conv1d_fn_triton' is not defined" for Mamba2; KDA's kernels unbound, MLA's fresh
+prefill sent where torch_native cannot serve it, the routed-expert scale dropped): `cpu/mamba2.py`, `cpu/kda.py`
+and `cpu/moe.py` fix that.
 
-The mechanics servers keep an interval anchor every 128 tokens, taken from the SSD scan's per-chunk states
-(`anchors.write_mamba2_states`): a fork at 300 of a 600-token prompt (one prefill chunk) replays [256, 300) from
-the anchor at 256.
+The mechanics servers keep an interval anchor every 128 tokens, taken from the chunked prefill's per-chunk states
+(`anchors.write_mamba2_states` on the SSD scan's grid, `write_ssm_states` for KDA): a fork at 300 of a 600-token
+prompt (one prefill chunk) replays [256, 300) from the anchor at 256.
 """
 
 import concurrent.futures
@@ -37,7 +42,7 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
              "--enable-cache-report", "--dtype", "float32")
 
 
-FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h")
+FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-kimi-linear")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,6 +70,26 @@ def servers(model_path, tmp_path_factory):
 
 # ---- stock SGLang: the model itself ----
 
+def assert_greedy_agrees(model, ids, served):
+    """The served tokens are HF's greedy ones up to the first near-tie (HF's top two within LOGPROB_TOL, the served
+    token one of them), where float rounding may pick either and the continuations part (seen on tiny-kimi-linear:
+    a 1.6e-4-nat tie at the ninth token of a 300-token prompt)."""
+    reference = greedy_generate(model, ids, len(served))
+    for i, (a, b) in enumerate(zip(served, reference)):
+        if a != b:
+            logprobs = prompt_logprobs_at(model, ids + reference[:i])
+            top = logprobs.topk(2)
+            assert a in top.indices.tolist() and float(top.values[0] - top.values[1]) < LOGPROB_TOL, (i, a, b)
+            return
+
+
+def prompt_logprobs_at(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+
+
 def test_stock_matches_hf_greedy_fresh_and_on_its_own_hit(servers, hf):
     model, _ = hf
     stock = servers["stock"]
@@ -72,11 +97,11 @@ def test_stock_matches_hf_greedy_fresh_and_on_its_own_hit(servers, hf):
         ids = random_ids(n, seed)
         out = generate(stock, ids, NEW)
         assert out["meta_info"]["cached_tokens"] == 0
-        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+        assert_greedy_agrees(model, ids, out["output_ids"])
     longer = ids + random_ids(40, 4)  # stock no_buffer hits where the 300-token request ended
     out = generate(stock, longer, NEW)
     assert out["meta_info"]["cached_tokens"] >= 300
-    assert out["output_ids"] == greedy_generate(model, longer, NEW)
+    assert_greedy_agrees(model, longer, out["output_ids"])
 
 
 def test_stock_prompt_logprobs_match_hf(servers, hf):
@@ -131,7 +156,7 @@ def test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache(serve
     assert_anchored_hit(hit["meta"], fork, fold=0)
     assert hit["meta"]["tail_replay_anchor"] == anchor
     assert_exact(hit, no_cache(server, ids, fork))
-    assert generate(server, ids, NEW)["output_ids"] == greedy_generate(model, ids, NEW)
+    assert_greedy_agrees(model, ids, generate(server, ids, NEW)["output_ids"])
 
 
 def test_zero_init_tail_is_approximate_and_anchored_replay_is_not(servers):
