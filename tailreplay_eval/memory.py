@@ -25,7 +25,7 @@ The formulas are SGLang 0.5.23's own pool sizing, restated so that no server or 
 otherwise), the serving dtype of `configs/model_config._get_and_verify_dtype` (`--dtype auto`: the checkpoint's
 dtype, float16 for a float32 checkpoint), the KV dtype of `mem_cache/kv_cache_dtype.configure_kv_cache_dtype`
 (`--kv-cache-dtype auto`: the serving dtype) and the per-token KV cell of `DefaultPoolConfigurator._compute_cell_size`
-(K and V of every FA layer). All at TP 1. The server log shows the same numbers:
+(K and V of every FA layer; MLA's latent for Kimi Linear). All at TP 1. The server log shows the same numbers:
 `Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ... ssm_state size`.
 
 Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small are not read from the hub: their shapes are written
@@ -60,7 +60,8 @@ CHUNK_TOKENS = 4096  # prefill chunk of the prefix-cost example (stock no_buffer
 
 # The real models' shapes as we know them from their published config.json (text part), written by hand: there is
 # no hub access here. A checkpoint's own config.json (`--model-path`) always wins over these.
-HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small: shapes written by hand from "
+HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Small and Kimi-Linear-48B-A3B: shapes "
+                     "written by hand from "
                      "the published configs as we know them, not read from a checkpoint")
 HAND_WRITTEN = {
     "Qwen3.5-4B": {
@@ -89,13 +90,24 @@ HAND_WRITTEN = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "mamba_n_heads": 128, "mamba_d_head": 64,
         "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "dtype": "bfloat16",
     },
+    # 27 layers: MLA at 4, 8, ..., 24 and 27 (1-indexed), KDA elsewhere; NoPE MLA with a 512 + 64 latent.
+    "Kimi-Linear-48B-A3B": {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "hidden_size": 2304,
+        "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                               "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                               "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+        "dtype": "bfloat16",
+    },
 }
-ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small")
+ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small",
+              "Kimi-Linear-48B-A3B")
 # --all without --server-args: each model served as it is here (the presets in float32 on the CPU) or in practice
 # (the real models in their checkpoint dtype).
 ALL_DEFAULT_ARGS = {"small": "--dtype float32", "quality-qwen35": "--dtype float32",
                     "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto", "Nemotron-H-8B": "--dtype auto",
-                    "Granite-4.0-H-Small": "--dtype auto"}
+                    "Granite-4.0-H-Small": "--dtype auto", "Kimi-Linear-48B-A3B": "--dtype auto"}
 
 
 def _flag(flags: list[str], name: str, default: str | None = None) -> str | None:
@@ -115,8 +127,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _with_layer_types(config: dict) -> dict:
     """The config with `layer_types` spelled out in the layout's kinds (from `full_attention_interval`, as SGLang's
-    Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention)."""
-    if config.get("layer_types") or config.get("hybrid_override_pattern") or config.get("layers_block_type"):
+    Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention; Kimi
+    Linear's linear_attn_config)."""
+    if any(config.get(key) for key in ("layer_types", "hybrid_override_pattern", "layers_block_type",
+                                       "linear_attn_config")):
         return {**config, "layer_types": list(layer_kinds(ConfigAttrs(config)))}
     interval, n = config.get("full_attention_interval"), config["num_hidden_layers"]
     types = [FULL if interval and (i + 1) % interval == 0 else LINEAR for i in range(n)]
@@ -220,7 +234,12 @@ def tail_replay_config(model_path, flags: list[str]) -> TailReplayConfig:
 
 def _recurrent_shape(config: dict) -> tuple[int, int, int]:
     """(conv channels, conv width, SSM state values) of one recurrent layer: GDN's over q | k | v with [HV, V, K]
-    states, or Mamba2's over x | B | C with [heads, head_dim, state] states (Nemotron-H's or Granite's names)."""
+    states, KDA's over q | k | v with [heads, head_dim, head_dim] states, or Mamba2's over x | B | C with [heads,
+    head_dim, state] states (Nemotron-H's or Granite's names)."""
+    if "linear_attn_config" in config:
+        kda = config["linear_attn_config"]
+        width = kda["num_heads"] * kda["head_dim"]
+        return 3 * width, kda["short_conv_kernel_size"], width * kda["head_dim"]
     if "linear_num_key_heads" in config:
         key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
         key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -232,6 +251,15 @@ def _recurrent_shape(config: dict) -> tuple[int, int, int]:
     state = config.get("ssm_state_size") or config["mamba_d_state"]
     width = config.get("conv_kernel") or config.get("mamba_d_conv") or 4
     return heads * head_dim + 2 * groups * state, width, heads * head_dim * state
+
+
+def kv_values_per_layer(config: dict) -> int:
+    """KV values one FA layer keeps per token: K and V of every KV head, or MLA's compressed latent and shared rope
+    key (Kimi Linear: SGLang's MLA pool keeps kv_lora_rank + qk_rope_head_dim)."""
+    if config.get("kv_lora_rank"):
+        return config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
+    return 2 * config["num_key_value_heads"] * head_dim
 
 
 def mamba_slot_bytes(config: dict, n_gdn_layers: int) -> dict:
@@ -269,8 +297,7 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
     served = serving_dtype(config, flags)
     kv = kv_dtype(config, flags)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
-    kv_per_token = n_fa * 2 * config["num_key_value_heads"] * head_dim * kv.itemsize
+    kv_per_token = n_fa * kv_values_per_layer(config) * kv.itemsize
     # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also when
     # the flags are a stock server's.
     cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
@@ -281,6 +308,7 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     return {
         "model": name, "config_source": source, "flags": shlex.join(flags),
         "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": len(layout.stored_groups),
+        "fa_kv_kind": "MLA latent" if config.get("kv_lora_rank") else "K and V",
         "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv),
         "hidden_dtype_flag": cfg.hidden_dtype, "hidden_dtype": _dtype_name(hidden), "hidden_tier": cfg.hidden_tier,
         "fa_kv_bytes_per_token": kv_per_token,
@@ -336,7 +364,7 @@ def table(acc: dict, title: str = "memory per cached token and per recurrent sta
     t.add_column("note")
     slot, anchors = acc["mamba_slot"], acc.get("anchors", {})
     t.add_row("FA KV per token", _size(acc["fa_kv_bytes_per_token"]),
-              f"{acc['fa_layers']} FA layers, K and V, {acc['kv_dtype']}; stock and Tail-Replay alike")
+              f"{acc['fa_layers']} FA layers, {acc['fa_kv_kind']}, {acc['kv_dtype']}; stock and Tail-Replay alike")
     t.add_row("Tail-Replay hiddens per token", _size(acc["tail_replay_hidden_bytes_per_token"]),
               f"{acc['stored_groups']} stored groups x hidden, {acc['hidden_dtype']} "
               f"(--tail-replay-hidden-dtype {acc.get('hidden_dtype_flag', '?')}), + 8 B token id")

@@ -26,7 +26,7 @@ from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 BUILD_MARKER = "tailreplay_build.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -196,11 +196,13 @@ PRESETS: dict[str, Preset] = {
         model_type="olmo_hybrid", **TINY,
     ),
     # Nemotron-H (Mamba2): the tiny sizes, a pattern with an MLP between two Mamba2 layers (group 0), a group that
-    # starts with an MLP (group 1) and MLPs after a group's last Mamba2 layer. HF's Mamba2 init (A = 1..heads,
+    # starts with an MLP and has a MoE between its Mamba2 layers (group 1: Nemotron-3's MoE, sigmoid router with a
+    # score-correction bias, routed scale 2.5, a shared expert) and MLPs after a group's last Mamba2 layer. HF's Mamba2 init (A = 1..heads,
     # dt in [0.001, 0.1]) gives per-token decays from 0.45 to 0.999: the heads' memories span 1 to 1000 tokens.
     "tiny-nemotron-h": Preset(
         model_type="nemotron_h", **dict(TINY, num_hidden_layers=11),
-        mamba2=Mamba2(pattern="M-M*-MM-*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
+        mamba2=Mamba2(pattern="M-M*-MEM*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # Granite-4.0-H (granitemoehybrid, Mamba2): Mamba2 and attention mixers each with a MoE and a shared MLP in the
     # same layer, and Granite 4's multipliers (embedding 12, residual 0.22, attention 1/128).
@@ -246,6 +248,14 @@ PRESETS["small-nemotron-h"] = replace(PRESETS["small"], model_type="nemotron_h",
 PRESETS["small-granite-4.0-h"] = replace(
     PRESETS["small"], model_type="granitemoehybrid", mamba2=Mamba2(pattern="MMMMM*MMMMM*", **SMALL_MAMBA2),
     moe=MoE(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512))
+
+# Benchmark-size Kimi Linear, the sizes of "small" (hidden 512, 12 layers, 2 of them MLA): KDA mixers of 8 heads x 64,
+# NoPE MLA of 4 heads over a 128 + 32 latent, a MoE of 8 experts (top 2) and a shared one after a dense first layer.
+PRESETS["small-kimi-linear"] = replace(
+    PRESETS["small"], model_type="kimi_linear",
+    moe=MoE(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256),
+    kda=Kda(pattern="KKKKK*KKKKK*", num_heads=8, head_dim=64, kv_lora_rank=128, qk_nope_head_dim=64,
+            qk_rope_head_dim=32, v_head_dim=64))
 
 # Benchmark-size vision-language checkpoint: "small" under a 4-block vision tower with Qwen3.5's 16-pixel patches
 # (a 512 x 384 screenshot is 192 tokens); Qwen3.5's quarter-head rotation gives 16 pairs for the multimodal RoPE.
@@ -407,6 +417,11 @@ def nemotron_h_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         expand=m.num_heads * m.head_dim // preset.hidden_size, chunk_size=m.chunk_size,
         max_position_embeddings=preset.max_position_embeddings, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=tokenizer.token_to_id(IM_END), pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        **({} if preset.moe is None else dict(
+            n_routed_experts=preset.moe.num_experts, num_experts_per_tok=preset.moe.num_experts_per_tok,
+            moe_intermediate_size=preset.moe.moe_intermediate_size, n_shared_experts=1,
+            moe_shared_expert_intermediate_size=preset.moe.shared_expert_intermediate_size,
+            routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True)),
     )
 
 

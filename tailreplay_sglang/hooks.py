@@ -57,6 +57,10 @@ ALWAYS = (
     Hook(f"{_SRT}.configs.linear_attn_model_registry.register_linear_attn_model", "call",
          f"{_PKG}.models:register_linear_attention",
          "SGLang's route for external hybrid models: OLMo-Hybrid becomes hybrid-SSM with our GDN backend"),
+    Hook(f"{_SRT}.layers.linear.ColumnParallelBatchedLinear.__init__", "before",
+         f"{_PKG}.models.kimi_linear:batched_linear_in_serving_dtype",
+         "Kimi Linear's batched f/g projection is built in the checkpoint's dtype, not the serving one: any --dtype "
+         "other than the checkpoint's fails at the first KDA forward"),
 )
 
 # Only where SGLang's model loader is already imported (the scheduler): resolving the target imports every model.
@@ -165,6 +169,9 @@ CPU_ENGINE = (
          "whose per-head keys torch_native does not keep; the absorbed path attends the cached latent"),
     Hook(f"{_SRT}.layers.moe.fused_moe_native.moe_forward_native", "around", f"{_PKG}.cpu.moe:scale_routed_output",
          "SGLang's CPU MoE drops the routed-expert scale (Kimi Linear's 2.446) that its GPU runner applies"),
+    Hook(f"{_SRT}.models.nemotron_h.NemotronHMoE._forward_core_normal", "replace",
+         f"{_PKG}.cpu.moe:nemotron_h_moe_core",
+         "Nemotron-H's MoE router GEMM asks torch.mm for a float32 output dtype, which has no CPU kernel"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.cpu.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

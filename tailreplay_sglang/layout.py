@@ -29,8 +29,8 @@ from pathlib import Path
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 GDN, MAMBA2, KDA = "gdn", "mamba2", "kda"
 SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid (Gated DeltaNet: "
-             "models whose config lists linear_attention layers), Nemotron-H with MLP layers (Mamba2: "
-             "NemotronHForCausalLM, a hybrid_override_pattern of M, - and * layers) and Granite-4.0-H (Mamba2: "
+             "models whose config lists linear_attention layers), Nemotron-H (Mamba2: NemotronHForCausalLM, "
+             "a hybrid_override_pattern of M, -, E and * layers), Granite-4.0-H (Mamba2: "
              "GraniteMoeHybridForCausalLM) and Kimi Linear (KDA: KimiLinearForCausalLM)")
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
@@ -122,9 +122,6 @@ class HybridLayout:
         if LINEAR not in self.layer_types:
             raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers; "
                              f"{model_path} has none. Supported: {SUPPORTED}")
-        if self.mixer == MAMBA2 and MOE in self.layer_types:
-            raise ValueError(f"--enable-tail-replay does not replay Nemotron-H's MoE layers (E in "
-                             f"hybrid_override_pattern) yet: {model_path}. Supported: {SUPPORTED}")
         return self
 
 

@@ -104,14 +104,15 @@ def run(runner, store: HiddenStore, batch: ReplayBatch, h2d_mode: str = "ovl") -
 
 def replay_mamba2_group(model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
     """A Mamba2 model's group, its layers in order; the last Mamba2 layer computes only its states.
-    - Nemotron-H: a Mamba2 stage is norm -> mixer (`replay_mamba2`), an MLP stage norm -> MLP, each added back;
+    - Nemotron-H: a Mamba2 stage is norm -> mixer (`replay_mamba2`), an MLP or MoE stage norm -> MLP or MoE (its
+      forward needs no batch), each added back;
     - Granite-4.0-H: a layer is norm -> Mamba2 mixer and norm -> MoE + shared MLP, each scaled by the residual
       multiplier before it is added back."""
     chunk_size = model.config.mamba_chunk_size
     for layer_id in group.layers:
         layer = model.layers[layer_id]
-        if layer_id not in group.recurrent_layers:  # a Nemotron-H MLP stage between two Mamba2 stages
-            x = x + _tp_reduced(layer.mixer(layer.norm(x)), layer.mixer.down_proj)
+        if layer_id not in group.recurrent_layers:  # a Nemotron-H MLP or MoE stage between two Mamba2 stages
+            x = x + _tp_reduced(layer.mixer(layer.norm(x)), _reduction_owner(layer.mixer))
             continue
         granite = hasattr(layer, "mamba")
         mixer, norm = (layer.mamba, layer.input_layernorm) if granite else (layer.mixer, layer.norm)
@@ -172,8 +173,12 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
 
 def _reduction_owner(mlp):
     """The module whose `reduce_results` says whether the feed-forward output still lacks its TP sum: a MoE block
-    (Qwen3.5-MoE, Qwen3-Next) carries the flag itself, a dense MLP on its down projection."""
-    return mlp if hasattr(mlp, "reduce_results") else getattr(mlp, "down_proj", None)
+    (Qwen3.5-MoE, Qwen3-Next) carries the flag itself, a dense MLP on its down projection, Kimi's MoE on its experts
+    (its shared expert's partial sum is added before the reduction, as in its layer)."""
+    if hasattr(mlp, "reduce_results"):
+        return mlp
+    down = getattr(mlp, "down_proj", None)
+    return down if down is not None else getattr(mlp, "experts", None)
 
 
 def gdn_inputs(la, h: torch.Tensor):

@@ -340,9 +340,17 @@ def test_profile_attributes_samples_to_the_innermost_plugin_module():
 
 def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
     """One mamba slot as SGLang 0.5.23 sizes it at TP 1: Qwen3NextConfig.mamba2_cache_params for GDN models,
-    NemotronHConfig's / GraniteMoeHybridConfig's for Mamba2 ones (their names for the same shape)."""
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape, mamba2_state_dtype
+    NemotronHConfig's / GraniteMoeHybridConfig's for Mamba2 ones (their names for the same shape), KimiLinearConfig's
+    for Kimi Linear."""
+    from sglang.srt.configs.mamba_utils import (KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams,
+                                                Mamba2StateShape, mamba2_state_dtype)
 
+    if "linear_attn_config" in config:
+        kda = config["linear_attn_config"]
+        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=kda["num_heads"], head_dim=kda["head_dim"],
+                                            conv_kernel_size=kda["short_conv_kernel_size"])
+        return KimiLinearCacheParams(shape=shape, layers=list(range(n_gdn)),
+                                     dtype=mamba2_state_dtype(None)).mamba_cache_per_req
     if "linear_num_key_heads" in config:
         shape = Mamba2StateShape.create(
             tp_world_size=1, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
@@ -423,6 +431,10 @@ def test_memory_all_table_and_json(tmp_path):
     # Mamba2 hybrids: 4 attention layers each; Nemotron-H's MLP stages are not recurrent layers
     assert (real["Nemotron-H-8B"]["fa_layers"], real["Nemotron-H-8B"]["gdn_layers"]) == (4, 24)
     assert (real["Granite-4.0-H-Small"]["fa_layers"], real["Granite-4.0-H-Small"]["gdn_layers"]) == (4, 36)
+    # Kimi Linear: 7 MLA layers keep a 512 + 64 latent each (bf16), 6 of its 7 KDA groups store a 2304-wide hidden
+    kimi = real["Kimi-Linear-48B-A3B"]
+    assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"]) == (7, 20, 6)
+    assert kimi["fa_kv_bytes_per_token"] == 7 * (512 + 64) * 2
 
 
 def test_image_chat_shapes_and_summary():

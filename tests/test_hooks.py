@@ -158,3 +158,21 @@ def test_a_launcher_never_takes_a_config_left_in_its_environment():
     assert "ServerArgs.from_cli_args" in registered  # the always-on table
     assert "prepare_for_extend" not in registered and "alloc_memory_pool" not in registered
     # Tail-Replay servers in the other tests show the other side: their spawned schedulers do register the runtime
+
+
+def test_kimi_linears_batched_projection_is_built_in_the_serving_dtype():
+    """The BEFORE row on ColumnParallelBatchedLinear.__init__ swaps the checkpoint dtype Kimi Linear passes for the
+    dtype SGLang is building the model in (its default dtype then); the other arguments pass through."""
+    import torch
+
+    from tailreplay_sglang.models.kimi_linear import batched_linear_in_serving_dtype
+
+    layer = object()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        args, kwargs = batched_linear_in_serving_dtype(layer, 2, 64, 256, dtype=torch.bfloat16, parallel_group="tp")
+    finally:
+        torch.set_default_dtype(previous)
+    assert args == (layer, 2, 64, 256)
+    assert kwargs == {"dtype": torch.float32, "parallel_group": "tp"}

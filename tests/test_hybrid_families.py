@@ -2,8 +2,9 @@
 Tail-Replay's hits against the server's own no-cache prefill. Every test runs once per family (a module-scoped
 parametrized fixture):
 
-- `tiny-nemotron-h` (pattern M-M*-MM-*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
-  stage between two Mamba2 layers, group 1 starts with an MLP stage;
+- `tiny-nemotron-h` (pattern M-M*-MEM*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
+  stage between two Mamba2 layers, group 1 starts with an MLP stage and replays a MoE stage (Nemotron-3's: sigmoid
+  router with a score-correction bias, routed scale 2.5, a shared expert) between its Mamba2 layers;
 - `tiny-granite-4.0-h` (layer_types mamba / attention as IBM ships Granite-4.0-H): each layer a mixer and a MoE +
   shared MLP, with Granite 4's embedding, residual, attention and logits multipliers;
 - `tiny-kimi-linear` (KDA and NoPE MLA layers, linear_attn_config as Moonshot ships Kimi Linear): a dense first

@@ -70,36 +70,28 @@ def test_deepstack_visual_features_are_refused(tiny_qwen35_vl, tmp_path):
 
 
 def test_nemotron_h_pattern_groups_cut_after_their_last_mamba2_layer(tiny_nemotron_h):
-    """M-M*-MM-*M- : group 0 replays the MLP between its Mamba2 layers, group 1 starts with an MLP stage, and MLP
-    stages after a group's last Mamba2 layer are not replayed."""
-    from tailreplay_sglang.layout import MAMBA2
+    """M-M*-MEM*M- : group 0 replays the MLP between its Mamba2 layers, group 1 starts with an MLP stage and replays
+    the MoE stage between its Mamba2 layers, and stages after a group's last Mamba2 layer are not replayed."""
+    from tailreplay_sglang.layout import MAMBA2, MOE
 
     lay = HybridLayout.from_model_path(str(tiny_nemotron_h))
-    assert lay.mixer == MAMBA2
-    assert [(g.layers, g.recurrent_layers) for g in lay.groups] == [((0, 1, 2), (0, 2)), ((4, 5, 6), (5, 6)),
+    assert lay.mixer == MAMBA2 and lay.layer_types[6] == MOE
+    assert [(g.layers, g.recurrent_layers) for g in lay.groups] == [((0, 1, 2), (0, 2)), ((4, 5, 6, 7), (5, 7)),
                                                                     ((9,), (9,))]
     assert [g.first_layer for g in lay.stored_groups] == [4, 9]
+    assert lay.require_hybrid(str(tiny_nemotron_h)) is lay  # MoE stages are replayed, not refused
 
 
-def test_nemotron_h_moe_layers_and_off_grid_anchor_intervals_are_refused(tiny_nemotron_h, tmp_path):
-    """Nemotron-H's MoE stages are not replayed yet; a Mamba2 model's interval anchors come from its scan's chunk
-    grid, so an interval that is not a multiple of its chunk is refused, naming the flag and the chunk."""
+def test_off_grid_anchor_intervals_are_refused_on_mamba2_models(tiny_nemotron_h):
+    """A Mamba2 model's interval anchors come from its scan's chunk grid, so an interval that is not a multiple of
+    its chunk is refused, naming the flag and the chunk."""
     import dataclasses
-    import json
-    import shutil
 
     import pytest
 
     from tailreplay_sglang import plugin
     from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
 
-    path = tmp_path / "moe"
-    shutil.copytree(tiny_nemotron_h, path)
-    config = json.loads((path / "config.json").read_text())
-    config["hybrid_override_pattern"] = "MEM*EMMEM*E"
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="MoE layers .* Supported: Qwen3.5"):
-        HybridLayout.from_model_path(str(path)).require_hybrid(str(path))
     lay = HybridLayout.from_model_path(str(tiny_nemotron_h))
     assert lay.chunk_size == 64  # the preset's mamba_chunk_size
     cfg = TailReplayConfig(enabled=True, anchor_interval=128)

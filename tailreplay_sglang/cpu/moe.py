@@ -1,4 +1,5 @@
-"""The routed-expert scale SGLang's CPU MoE path drops.
+"""What SGLang's MoE layers get wrong on a CPU without AMX: the routed-expert scale, Nemotron-H's squared-ReLU
+experts and its router GEMM.
 
 On a CPU without AMX, `UnquantizedFusedMoEMethod.forward_cpu` runs `fused_moe_native.moe_forward_native`, which
 never applies `moe_runner_config.routed_scaling_factor`; the Triton runner a GPU takes multiplies the routed sum by
@@ -7,11 +8,45 @@ off by that factor, and stock prompt log-probs differed from HF's by 0.085 nats 
 with it).
 """
 
+import torch
+import torch.nn.functional as F
+
 
 def scale_routed_output(original, layer, x, topk_output, moe_runner_config):
-    """AROUND hook on `moe_forward_native` (same arguments, same output)."""
-    out = original(layer, x, topk_output, moe_runner_config)
+    """AROUND hook on `moe_forward_native` (same arguments, same output); also runs the squared-ReLU experts it does
+    not know (`relu2_experts`)."""
+    if moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated:
+        out = relu2_experts(layer, x, topk_output)
+    else:
+        out = original(layer, x, topk_output, moe_runner_config)
     factor = moe_runner_config.routed_scaling_factor
     if factor is not None and factor != 1.0 and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
         out = out * factor
     return out
+
+
+def relu2_experts(layer, x, topk_output) -> torch.Tensor:
+    """Nemotron-H's routed experts, as SGLang's GPU runner computes them: up projection, squared ReLU, down
+    projection, no gate (`moe_forward_native` knows only gated activations: "Unsupported activation ... 'relu2'")."""
+    weights, ids, _ = topk_output
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        if expert < 0:  # a slot routed to no local expert
+            continue
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        hidden = torch.relu(F.linear(x[rows], layer.w13_weight[expert])).square()
+        out.index_add_(0, rows, F.linear(hidden, layer.w2_weight[expert]).float() * weights[rows, slot, None])
+    return out.to(x.dtype)
+
+
+def nemotron_h_moe_core(self, hidden_states):
+    """REPLACE of `NemotronHMoE._forward_core_normal` (Nemotron-H's MoE stages, the path a CPU takes): SGLang's body,
+    but the router GEMM in float32 by casting, since `torch.mm(..., out_dtype=torch.float32)` ("bf16 gemm with fp32
+    accumulation/output") has no CPU kernel ("Could not run 'aten::mm.dtype' with arguments from the 'CPU'
+    backend"): the first MoE stage killed the scheduler."""
+    router_logits = torch.mm(hidden_states.float(), self.gate.weight.float().t())
+    shared_output = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+    topk_output = self.topk(hidden_states, router_logits)
+    if self.use_latent_moe:
+        hidden_states = self._apply_fc1_latent_proj(hidden_states)
+    return self.experts(hidden_states, topk_output), shared_output
