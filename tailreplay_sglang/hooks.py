@@ -164,7 +164,7 @@ CPU_ENGINE = (
     Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
          f"{_PKG}.cpu.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
     Hook(f"{_SRT}.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry", "call",
-         f"{_PKG}.cpu.kda:register_mla_handler",
+         f"{_PKG}.cpu.mla:register_mla_handler",
          "MLA (Kimi Linear's attention) on torch_native: SGLang's dispatch sends a fresh prefill down the MHA path, "
          "whose per-head keys torch_native does not keep; the absorbed path attends the cached latent"),
     Hook(f"{_SRT}.layers.moe.fused_moe_native.moe_forward_native", "around", f"{_PKG}.cpu.moe:scale_routed_output",

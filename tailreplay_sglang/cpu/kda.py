@@ -64,20 +64,3 @@ def install() -> None:
     kernels.chunk_kda = chunk_kda
     kernels.fused_sigmoid_gating_delta_rule_update = fused_sigmoid_gating_delta_rule_update
 
-
-def absorbed_mla(attn, forward_batch):
-    """Handler for the `torch_native` backend in SGLang's MLA dispatch (DeepSeek-style attention, Kimi Linear's
-    full-attention layers): always the absorbed MLA path. SGLang has no handler for torch_native and falls back to
-    Triton's, which sends a fresh prefill down the MHA path; torch_native's extend reads keys and values from the KV
-    pool, which for MLA holds the compressed latent, not the per-head keys that path's queries match. The absorbed
-    path attends the latent itself (queries folded through kv_b_proj, one shared key head), as decode does."""
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
-
-    return AttnForwardMethod.MLA
-
-
-def register_mla_handler() -> None:
-    """`call` row: register `absorbed_mla` for torch_native."""
-    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
-
-    AttentionBackendRegistry.register("torch_native", absorbed_mla)
