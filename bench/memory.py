@@ -2,7 +2,7 @@
 where each formula comes from is that module's docstring (below, in --help).
 
     python bench/memory.py [--preset small | --model-path M] [--server-args "--dtype float32 --enable-tail-replay"]
-    python bench/memory.py --all      # one table: small, quality-qwen35, Qwen3.5-4B, Qwen3.6-27B
+    python bench/memory.py --all      # one table: the presets and the real models (memory.ALL_MODELS)
     python bench/memory.py --all --json runs/memory.json
 """
 
@@ -48,8 +48,8 @@ def main(argv=None):
         accs = [account(name, shlex.split(args.server_args or ALL_DEFAULT_ARGS[name]), args.intervals)
                 for name in ALL_MODELS]
         console.print(all_table(accs, "bytes per cached token: stock, paper mode (B=0), anchored every N tokens"))
-        console.print(f"* {HAND_WRITTEN_NOTE}. Slot = one mamba slot (conv + SSM state of every GDN layer) = one "
-                      f"anchor; anchored = KV + hiddens + slot/N while every interval anchor is kept (the mamba LRU "
+        console.print(f"* {HAND_WRITTEN_NOTE}. Slot = one mamba slot (conv + SSM state of every recurrent "
+                      f"layer) = one anchor; anchored = KV + hiddens + slot/N while every interval anchor is kept (the mamba LRU "
                       f"evicts them); request-end and prefill-chunk-end anchors (one slot each, like stock's "
                       f"checkpoints) come on top. Hidden dtype auto = the serving dtype. TP 1.")
         _write_json({"note": HAND_WRITTEN_NOTE, "models": accs}, args.json)

@@ -47,7 +47,8 @@ from rich.table import Table
 
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import FULL, LINEAR, ConfigAttrs, HybridLayout, layer_kinds, mixer_of
+from tailreplay_sglang.layout import (FULL, LINEAR, PARALLEL_HYBRIDS, ConfigAttrs, HybridLayout, layer_kinds,
+                                      mixer_of)
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,9 @@ CHUNK_TOKENS = 4096  # prefill chunk of the prefix-cost example (stock no_buffer
 
 # The real models' shapes as we know them from their published config.json (text part), written by hand: there is
 # no hub access here. A checkpoint's own config.json (`--model-path`) always wins over these.
-HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Small and Kimi-Linear-48B-A3B: shapes "
-                     "written by hand from "
-                     "the published configs as we know them, not read from a checkpoint")
+HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Small, Falcon-H1-7B and "
+                     "Kimi-Linear-48B-A3B: shapes written by hand from the published configs as we know them, not "
+                     "read from a checkpoint")
 HAND_WRITTEN = {
     "Qwen3.5-4B": {
         "model_type": "qwen3_5_text", "hidden_size": 2560, "num_hidden_layers": 32, "full_attention_interval": 4,
@@ -100,14 +101,23 @@ HAND_WRITTEN = {
                                "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
         "dtype": "bfloat16",
     },
+    # Attention and Mamba2 side by side in all 44 layers (transformers' Falcon-H1 model doc gives the same sizes).
+    # Tail-Replay refuses it: the row says what the store would cost.
+    "Falcon-H1-7B": {
+        "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"], "hidden_size": 3072,
+        "num_hidden_layers": 44, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+        "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_ssm": 3072, "mamba_n_groups": 1, "mamba_d_state": 256,
+        "mamba_d_conv": 4, "mamba_chunk_size": 128, "dtype": "bfloat16",
+    },
 }
 ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small",
-              "Kimi-Linear-48B-A3B")
+              "Kimi-Linear-48B-A3B", "Falcon-H1-7B")
 # --all without --server-args: each model served as it is here (the presets in float32 on the CPU) or in practice
 # (the real models in their checkpoint dtype).
 ALL_DEFAULT_ARGS = {"small": "--dtype float32", "quality-qwen35": "--dtype float32",
                     "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto", "Nemotron-H-8B": "--dtype auto",
-                    "Granite-4.0-H-Small": "--dtype auto", "Kimi-Linear-48B-A3B": "--dtype auto"}
+                    "Granite-4.0-H-Small": "--dtype auto", "Kimi-Linear-48B-A3B": "--dtype auto",
+                    "Falcon-H1-7B": "--dtype auto"}
 
 
 def _flag(flags: list[str], name: str, default: str | None = None) -> str | None:
@@ -125,10 +135,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def is_parallel_hybrid(config: dict) -> bool:
+    """Attention and a recurrent mixer side by side in every layer (Falcon-H1): no layer pattern, refused."""
+    return any(a in PARALLEL_HYBRIDS for a in config.get("architectures") or ())
+
+
 def _with_layer_types(config: dict) -> dict:
     """The config with `layer_types` spelled out in the layout's kinds (from `full_attention_interval`, as SGLang's
     Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention; Kimi
-    Linear's linear_attn_config)."""
+    Linear's linear_attn_config). A parallel hybrid has no pattern to spell out."""
+    if is_parallel_hybrid(config):
+        return config
     if any(config.get(key) for key in ("layer_types", "hybrid_override_pattern", "layers_block_type",
                                        "linear_attn_config")):
         return {**config, "layer_types": list(layer_kinds(ConfigAttrs(config)))}
@@ -292,6 +309,8 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     `intervals`: the anchor intervals N to amortise a slot over (default: see `anchor_intervals`)."""
     flags = list(flags)
     name, config, source = resolve_model(model)
+    if is_parallel_hybrid(config):
+        return _refused_account(name, config, source, flags)
     layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"],
                           mixer=mixer_of(config.get("architectures") or ()))
     n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
@@ -336,6 +355,40 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     }
 
 
+def _refused_account(name: str, config: dict, source: str, flags: list[str]) -> dict:
+    """A model Tail-Replay refuses at start-up (Falcon-H1), with what its store would cost had it been served: every
+    layer holds attention, so every layer is its own group and all but the first (fed by the embeddings) would
+    store their input, at the serving dtype (hidden dtype auto). No anchors: nothing is replayed."""
+    try:
+        HybridLayout.from_hf_config(ConfigAttrs(config))
+        raise AssertionError(f"{name}: expected Tail-Replay to refuse it")
+    except ValueError as e:
+        reason = str(e)
+    n = config["num_hidden_layers"]
+    served, kv = serving_dtype(config, flags), kv_dtype(config, flags)
+    kv_per_token = n * kv_values_per_layer(config) * kv.itemsize
+    hidden_per_token = hidden_store.bytes_per_token_of(n - 1, config["hidden_size"], served)
+    slot = mamba_slot_bytes(config, n)
+    return {
+        "model": name, "config_source": source, "flags": shlex.join(flags), "refused": reason,
+        "fa_layers": n, "gdn_layers": n, "stored_groups": n - 1, "fa_kv_kind": "K and V",
+        "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv), "hidden_dtype_flag": "auto",
+        "hidden_dtype": _dtype_name(served), "hidden_tier": "device",
+        "fa_kv_bytes_per_token": kv_per_token,
+        "tail_replay_hidden_bytes_per_token": hidden_per_token,
+        "tail_replay_bytes_per_cached_token": kv_per_token + hidden_per_token,
+        "mamba_slot": slot,
+        "stock_slots_per_running_request": {"no_buffer": 1, "extra_buffer": 3},
+        "stock_slots_per_checkpoint": 1,
+        "hidden_tokens_per_mamba_slot": slot["total_bytes"] / hidden_per_token,
+        "kv_tokens_per_mamba_slot": slot["total_bytes"] / kv_per_token,
+        "stock_bytes_per_cached_token": kv_per_token,
+        "paper_bytes_per_cached_token": kv_per_token + hidden_per_token,
+        "anchors": {"anchored": False, "anchor_interval": 0, "exact_budget": 0, "bytes_per_anchor": 0,
+                    "intervals": []},
+    }
+
+
 def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
     """Bytes a server charges its device per pooled token: FA KV, plus the stored hiddens unless they are on the
     host tier (`--tail-replay-hidden-tier host`)."""
@@ -363,6 +416,9 @@ def table(acc: dict, title: str = "memory per cached token and per recurrent sta
     t.add_column("bytes", justify="right")
     t.add_column("note")
     slot, anchors = acc["mamba_slot"], acc.get("anchors", {})
+    if "refused" in acc:
+        t.add_row("Tail-Replay refuses this model", "", acc["refused"].split(". Supported:")[0]
+                  + ". The Tail-Replay rows below are what it would cost.")
     t.add_row("FA KV per token", _size(acc["fa_kv_bytes_per_token"]),
               f"{acc['fa_layers']} FA layers, {acc['fa_kv_kind']}, {acc['kv_dtype']}; stock and Tail-Replay alike")
     t.add_row("Tail-Replay hiddens per token", _size(acc["tail_replay_hidden_bytes_per_token"]),
@@ -371,7 +427,7 @@ def table(acc: dict, title: str = "memory per cached token and per recurrent sta
     t.add_row("Tail-Replay per cached token", _size(acc["tail_replay_bytes_per_cached_token"]),
               "KV + hiddens; all of it in paper mode (exact budget 0)")
     t.add_row("one mamba slot = one anchor", _size(slot["total_bytes"]),
-              f"{acc['gdn_layers']} GDN layers: conv {_size(slot['conv_bytes'])} ({slot['conv_dtype']}) + "
+              f"{acc['gdn_layers']} recurrent layers: conv {_size(slot['conv_bytes'])} ({slot['conv_dtype']}) + "
               f"SSM {_size(slot['ssm_bytes'])} ({slot['ssm_dtype']})")
     for row in anchors.get("intervals", []):
         n = row["interval"]
@@ -409,10 +465,13 @@ def all_table(accs: list[dict], title: str = "bytes per cached token") -> Table:
     for acc in accs:
         by_n = {row["interval"]: row for row in acc["anchors"]["intervals"]}
         star = "*" if acc["config_source"] == "hand-written shapes" else ""
-        cells = [f"{acc['model']}{star}\n{acc['flags']}", f"{acc['kv_dtype']}\n{acc['hidden_dtype']}",
+        refused = "refused" in acc  # the store columns say what it would cost
+        paper = _size(acc["paper_bytes_per_cached_token"])
+        cells = [f"{acc['model']}{star}{' (refused)' if refused else ''}\n{acc['flags']}",
+                 f"{acc['kv_dtype']}\n{acc['hidden_dtype']}",
                  _size(acc["fa_kv_bytes_per_token"]), _size(acc["tail_replay_hidden_bytes_per_token"]),
                  _size(acc["mamba_slot"]["total_bytes"]), _size(acc["stock_bytes_per_cached_token"]),
-                 _size(acc["paper_bytes_per_cached_token"])]
+                 f"would be\n{paper}" if refused else paper]
         for n in intervals:
             row = by_n.get(n)
             cells.append(f"{_size(row['tail_replay_bytes_per_cached_token'])}\n"

@@ -144,7 +144,7 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     Falcon-H1 runs attention and Mamba2 side by side in every layer, so every layer is its own group and the store
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
-    2 x 2 x 128 = 512, 6x, if its config is as we read it); the store would displace that much KV."""
+    2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
     if any(a in PARALLEL_HYBRIDS for a in architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads

@@ -368,7 +368,10 @@ def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
     return Mamba2CacheParams(shape=shape, layers=list(range(n_gdn)), dtype=mamba2_state_dtype(None)).mamba_cache_per_req
 
 
-@pytest.mark.parametrize("model", memory.ALL_MODELS)
+SERVED_MODELS = [m for m in memory.ALL_MODELS if m != "Falcon-H1-7B"]  # Tail-Replay refuses Falcon-H1
+
+
+@pytest.mark.parametrize("model", SERVED_MODELS)
 def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
     import torch
     from sglang.srt.configs.model_config import _get_and_verify_dtype
@@ -404,6 +407,26 @@ def test_memory_anchor_columns_and_auto_hidden_dtype(model, monkeypatch):
     assert acc["hidden_dtype"] == "bfloat16" and acc["kv_dtype"] == "float32"
 
 
+def test_memory_row_of_a_refused_parallel_hybrid_says_what_the_store_would_cost(monkeypatch):
+    """Falcon-H1-7B: attention in all 44 layers beside Mamba2, so Tail-Replay refuses it; its row carries the
+    refusal and what the store would be (43 stored groups: every layer but the first is a group)."""
+    from sglang.srt.configs.falcon_h1 import FalconH1Config
+
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    _, config, _ = memory.resolve_model("Falcon-H1-7B")
+    acc = memory.account("Falcon-H1-7B", ["--dtype", "auto"])
+    assert "does not replay Falcon-H1" in acc["refused"] and "(6.0x the KV cache" in acc["refused"]
+    assert (acc["fa_layers"], acc["gdn_layers"], acc["stored_groups"]) == (44, 44, 43)
+    assert acc["fa_kv_bytes_per_token"] == 44 * 2 * 2 * 128 * 2  # K and V of 2 KV heads x 128, bfloat16
+    assert acc["tail_replay_hidden_bytes_per_token"] == 43 * 3072 * 2 + 8
+    assert acc["anchors"]["intervals"] == [] and not acc["anchors"]["anchored"]
+    # SGLang's own Falcon-H1 config sizes the Mamba2 state from mamba_d_ssm: the same slot
+    sglang_config = FalconH1Config(**{k: v for k, v in config.items() if k not in ("architectures", "dtype")})
+    assert sglang_config.mamba_intermediate == config["mamba_n_heads"] * config["mamba_d_head"]
+    assert acc["mamba_slot"]["total_bytes"] == _sglang_slot_bytes(config, 44)
+
+
 def test_memory_anchor_intervals_follow_the_server_flags():
     acc = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-anchor-interval", "1024"])
     assert [row["interval"] for row in acc["anchors"]["intervals"]] == [1024]
@@ -435,6 +458,7 @@ def test_memory_all_table_and_json(tmp_path):
     kimi = real["Kimi-Linear-48B-A3B"]
     assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"]) == (7, 20, 6)
     assert kimi["fa_kv_bytes_per_token"] == 7 * (512 + 64) * 2
+    assert [m["model"] for m in data["models"] if "refused" in m] == ["Falcon-H1-7B"]
 
 
 def test_image_chat_shapes_and_summary():

@@ -31,7 +31,12 @@ TOKENS = "tokens"  # fetch key of the tail's token ids (group 0's input); stored
 
 
 def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
-    return len(layout.stored_groups) * codec_for(dtype).row_bytes(layout.hidden_size) + TOKEN_ID_BYTES
+    return bytes_per_token_of(len(layout.stored_groups), layout.hidden_size, dtype)
+
+
+def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Store bytes per token: one encoded row per stored group, and the token id."""
+    return stored_groups * codec_for(dtype).row_bytes(hidden_size) + TOKEN_ID_BYTES
 
 
 class HiddenStore:
