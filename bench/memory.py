@@ -49,9 +49,9 @@ def main(argv=None):
                 for name in ALL_MODELS]
         console.print(all_table(accs, "bytes per cached token: stock, paper mode (B=0), anchored every N tokens"))
         console.print(f"* {HAND_WRITTEN_NOTE}. Slot = one mamba slot (conv + SSM state of every recurrent "
-                      f"layer) = one anchor; anchored = KV + hiddens + slot/N while every interval anchor is kept (the mamba LRU "
-                      f"evicts them); request-end and prefill-chunk-end anchors (one slot each, like stock's "
-                      f"checkpoints) come on top. Hidden dtype auto = the serving dtype. TP 1.")
+                      f"layer) = one anchor; anchored = KV + hiddens + slot/N while every interval anchor is kept "
+                      f"(the mamba LRU evicts them); request-end and prefill-chunk-end anchors (one slot each, like "
+                      f"stock's checkpoints) come on top. Hidden dtype auto = the serving dtype. TP 1.")
         _write_json({"note": HAND_WRITTEN_NOTE, "models": accs}, args.json)
         return accs
     model = Path(args.model_path) if args.model_path else args.preset

@@ -47,7 +47,7 @@ from rich.table import Table
 
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import (FULL, LINEAR, PARALLEL_HYBRIDS, ConfigAttrs, HybridLayout, layer_kinds,
+from tailreplay_sglang.layout import (FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid, layer_kinds,
                                       mixer_of)
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
@@ -135,16 +135,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def is_parallel_hybrid(config: dict) -> bool:
-    """Attention and a recurrent mixer side by side in every layer (Falcon-H1): no layer pattern, refused."""
-    return any(a in PARALLEL_HYBRIDS for a in config.get("architectures") or ())
-
-
 def _with_layer_types(config: dict) -> dict:
     """The config with `layer_types` spelled out in the layout's kinds (from `full_attention_interval`, as SGLang's
     Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention; Kimi
     Linear's linear_attn_config). A parallel hybrid has no pattern to spell out."""
-    if is_parallel_hybrid(config):
+    if is_parallel_hybrid(config.get("architectures") or ()):
         return config
     if any(config.get(key) for key in ("layer_types", "hybrid_override_pattern", "layers_block_type",
                                        "linear_attn_config")):
@@ -309,24 +304,30 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     `intervals`: the anchor intervals N to amortise a slot over (default: see `anchor_intervals`)."""
     flags = list(flags)
     name, config, source = resolve_model(model)
-    if is_parallel_hybrid(config):
-        return _refused_account(name, config, source, flags)
-    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"],
-                          mixer=mixer_of(config.get("architectures") or ()))
-    n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
-    served = serving_dtype(config, flags)
-    kv = kv_dtype(config, flags)
+    served, kv = serving_dtype(config, flags), kv_dtype(config, flags)
+    refused = _refusal(config)
+    if refused:
+        # Falcon-H1: attention beside Mamba2 in every layer, so every layer would be a group and all but the first
+        # (fed by the embeddings) would store their input, at the serving dtype. Nothing is anchored or replayed.
+        n_fa = n_gdn = config["num_hidden_layers"]
+        stored_groups = n_fa - 1
+        cfg = TailReplayConfig(exact_budget=0, hidden_tier="device")
+    else:
+        layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"],
+                              mixer=mixer_of(config.get("architectures") or ()))
+        n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
+        stored_groups = len(layout.stored_groups)
+        # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also
+        # when the flags are a stock server's.
+        cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
     kv_per_token = n_fa * kv_values_per_layer(config) * kv.itemsize
-    # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also when
-    # the flags are a stock server's.
-    cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
     hidden = hidden_dtype(cfg, config, flags)
-    hidden_per_token = hidden_store.bytes_per_token(layout, hidden)
+    hidden_per_token = hidden_store.bytes_per_token_of(stored_groups, config["hidden_size"], hidden)
     slot = mamba_slot_bytes(config, n_gdn)
     paper = kv_per_token + hidden_per_token
     return {
-        "model": name, "config_source": source, "flags": shlex.join(flags),
-        "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": len(layout.stored_groups),
+        "model": name, "config_source": source, "flags": shlex.join(flags), **({"refused": refused} if refused else {}),
+        "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": stored_groups,
         "fa_kv_kind": "MLA latent" if config.get("kv_lora_rank") else "K and V",
         "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv),
         "hidden_dtype_flag": cfg.hidden_dtype, "hidden_dtype": _dtype_name(hidden), "hidden_tier": cfg.hidden_tier,
@@ -355,38 +356,15 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     }
 
 
-def _refused_account(name: str, config: dict, source: str, flags: list[str]) -> dict:
-    """A model Tail-Replay refuses at start-up (Falcon-H1), with what its store would cost had it been served: every
-    layer holds attention, so every layer is its own group and all but the first (fed by the embeddings) would
-    store their input, at the serving dtype (hidden dtype auto). No anchors: nothing is replayed."""
+def _refusal(config: dict) -> str | None:
+    """Tail-Replay's start-up refusal of this model (Falcon-H1), or None where it is served."""
+    if not is_parallel_hybrid(config.get("architectures") or ()):
+        return None
     try:
         HybridLayout.from_hf_config(ConfigAttrs(config))
-        raise AssertionError(f"{name}: expected Tail-Replay to refuse it")
     except ValueError as e:
-        reason = str(e)
-    n = config["num_hidden_layers"]
-    served, kv = serving_dtype(config, flags), kv_dtype(config, flags)
-    kv_per_token = n * kv_values_per_layer(config) * kv.itemsize
-    hidden_per_token = hidden_store.bytes_per_token_of(n - 1, config["hidden_size"], served)
-    slot = mamba_slot_bytes(config, n)
-    return {
-        "model": name, "config_source": source, "flags": shlex.join(flags), "refused": reason,
-        "fa_layers": n, "gdn_layers": n, "stored_groups": n - 1, "fa_kv_kind": "K and V",
-        "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv), "hidden_dtype_flag": "auto",
-        "hidden_dtype": _dtype_name(served), "hidden_tier": "device",
-        "fa_kv_bytes_per_token": kv_per_token,
-        "tail_replay_hidden_bytes_per_token": hidden_per_token,
-        "tail_replay_bytes_per_cached_token": kv_per_token + hidden_per_token,
-        "mamba_slot": slot,
-        "stock_slots_per_running_request": {"no_buffer": 1, "extra_buffer": 3},
-        "stock_slots_per_checkpoint": 1,
-        "hidden_tokens_per_mamba_slot": slot["total_bytes"] / hidden_per_token,
-        "kv_tokens_per_mamba_slot": slot["total_bytes"] / kv_per_token,
-        "stock_bytes_per_cached_token": kv_per_token,
-        "paper_bytes_per_cached_token": kv_per_token + hidden_per_token,
-        "anchors": {"anchored": False, "anchor_interval": 0, "exact_budget": 0, "bytes_per_anchor": 0,
-                    "intervals": []},
-    }
+        return str(e)
+    raise AssertionError(f"{config.get('architectures')}: expected Tail-Replay to refuse it")
 
 
 def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:

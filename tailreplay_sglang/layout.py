@@ -145,7 +145,7 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
     2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
-    if any(a in PARALLEL_HYBRIDS for a in architectures):
+    if is_parallel_hybrid(architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         kv_values = 2 * text_config.num_key_value_heads * head_dim
@@ -160,6 +160,11 @@ def mamba_chunk_size(text_config) -> int:
     """The Mamba2 scan's chunk as SGLang reads it: `mamba_chunk_size`, else Nemotron-H's `chunk_size`, else SGLang's
     default (DEFAULT_MAMBA_CHUNK_SIZE of its NemotronHConfig, 256; Granite's config defaults to 256 too)."""
     return getattr(text_config, "mamba_chunk_size", None) or getattr(text_config, "chunk_size", None) or 256
+
+
+def is_parallel_hybrid(architectures) -> bool:
+    """Attention and a recurrent mixer side by side in every layer (Falcon-H1): no groups to replay, refused."""
+    return any(a in PARALLEL_HYBRIDS for a in architectures)
 
 
 def mixer_of(architectures) -> str:
