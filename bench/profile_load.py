@@ -7,8 +7,9 @@
 
 The scheduler is sampled (py-spy, 100 Hz, Python frames) while bench_serving sends the workload (bench/load.py's
 datasets, tailreplay_eval/bench_serving.py). A sample counts for a plugin module when a frame of that module is on
-its stack (the innermost one decides); `tailreplay_sglang/cpu/` and `ops/` are not counted, since stock SGLang on this CPU runs
-the same ops. Prints the share of samples per module and writes them with the bench_serving record.
+its stack (the innermost one decides); the CPU port (`sglang_cpu_compat`) and `tailreplay_sglang/ops/` are not
+counted, since stock SGLang on this CPU runs them too. Prints the share of samples per module and writes them with the
+bench_serving record.
 """
 
 import argparse
@@ -27,8 +28,9 @@ from tailreplay_eval import bench_serving, harness
 from tailreplay_eval.server import ServerProcess
 
 PLUGIN = "tailreplay_sglang/"
-# The CPU fallback and the torch ops it serves as sgl-kernel: stock SGLang on this CPU runs them too
-STOCK_ON_CPU = (f"{PLUGIN}cpu/", f"{PLUGIN}ops/")
+# The CPU port (a package of its own, whatever folder holds it) and the plugin's torch ops it serves as sgl-kernel:
+# stock SGLang on this CPU runs them too
+STOCK_ON_CPU = ("sglang_cpu_compat/", f"{PLUGIN}ops/")
 
 
 def attribute(stacks: str) -> tuple[int, collections.Counter]:
@@ -78,7 +80,7 @@ def main() -> None:
         sampler.send_signal(2)  # SIGINT: py-spy writes its output and exits
         sampler.wait(120)
     total, per_module = attribute(stacks.read_text())
-    print(f"{total} scheduler samples; plugin modules (outside cpu/ and ops/): "
+    print(f"{total} scheduler samples; plugin modules (outside ops/): "
           f"{100 * sum(per_module.values()) / max(total, 1):.2f} %")
     for module, n in per_module.most_common():
         print(f"  {100 * n / total:6.2f} %  {module}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (or refresh) the project's CPU-only virtual environment: CPU torch, SGLang 0.5.23 without its CUDA-only
-# dependencies, this package in editable mode. Idempotent: a stamp of the inputs skips work already done.
+# dependencies, this package and the CPU port it is tested on (cpu_compat/) in editable mode. Idempotent: a stamp
+# of the inputs skips work already done.
 #
 #   scripts/setup_cpu.sh                 # create/update .venv (VENV=path to choose another)
 #   scripts/setup_cpu.sh --refresh-lock  # re-derive SGLang's deps from its wheel and re-pin requirements/cpu.lock
@@ -11,7 +12,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3.11}
 TORCH=torch==2.13.0
 # The torchvision release built for torch 2.13. PyPI only has its CUDA build: its Python side (the image transforms
-# that vision-language preprocessing uses) runs on CPU torch, its C++ ops cannot load (tailreplay_sglang.cpu.fallback).
+# that vision-language preprocessing uses) runs on CPU torch, its C++ ops cannot load (sglang_cpu_compat/fallback.py).
 TORCHVISION=torchvision==0.28.0
 SGLANG=sglang==0.5.23
 PIP_FLAGS=(--quiet --disable-pip-version-check)
@@ -49,7 +50,7 @@ refresh_lock() {
 
 install() {
   local stamp="$VENV/.tailreplay-setup" want
-  want=$(cat requirements/cpu.lock pyproject.toml scripts/setup_cpu.sh | sha256sum | cut -c1-16)
+  want=$(cat requirements/cpu.lock pyproject.toml cpu_compat/pyproject.toml scripts/setup_cpu.sh | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     say "$VENV is up to date"
     return
@@ -66,7 +67,9 @@ install() {
   "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "$SGLANG"
   say "installing tailreplay-sglang (editable)"
   "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e .
-  "$VENV/bin/python" -c "import sglang, sgl_kernel, tailreplay_sglang, torch, torchvision; assert not torch.cuda.is_available()"
+  say "installing sglang-cpu-compat, SGLang's CPU port (editable)"
+  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e cpu_compat
+  "$VENV/bin/python" -c "import sglang, sgl_kernel, tailreplay_sglang, sglang_cpu_compat, torch, torchvision; assert not torch.cuda.is_available()"
   echo "$want" > "$stamp"
   say "done in $((SECONDS - start)) s"
 }

@@ -1,18 +1,15 @@
-"""Writes replay inputs into the hidden store during every forward (prefill, chunked prefill, decode).
+"""Writes replay inputs into the hidden store during every forward (prefill, chunked prefill, decode): the token ids
+and, for each stored group, the residual-stream value entering the group's first layer. Each family chooses one of
+the two capture points below (`Family.install_capture`).
 
-Forward pre-hooks on GDN layers' `linear_attn` modules: SGLang calls `linear_attn(hidden_states, forward_batch)`
-right after the layer's fused add + RMSNorm, when `forward_batch.residual_stream.residual` holds the
-residual-stream value entering the layer, for the tokens at `forward_batch.out_cache_loc`.
-
-Models whose decoder layers carry the whole residual stream in `hidden_states` (no split residual; OLMo-Hybrid in
-`tailreplay_sglang.models`, marked `carries_stream_in_hidden_states`) are hooked on the decoder layer instead,
-`layer(positions, hidden_states, forward_batch)`: its input is the value entering the group. With OLMo-Hybrid's
-post-norm attention layers that is the FA layer's output, norms included, the same quantity as for Qwen3.5.
-
-Mamba2 models' layers begin with SGLang's stage boundary, `prepare(hidden_states, forward_batch)` (fused add +
-norm), which leaves the value entering the layer in `forward_batch.residual_stream.residual`; Nemotron-H's layers
-are called through `.forward` (no module hooks fire). That call is wrapped on the group's first layer instead:
-`layer.boundary` on Nemotron-H, `layer.attn_boundary` on Granite-4.0-H.
+- `at_mixer_inputs`: forward pre-hooks on the mixer module SGLang calls right after the layer's fused add + RMSNorm
+  (`linear_attn(hidden_states, forward_batch)`), when `forward_batch.residual_stream.residual` holds the value
+  entering the layer, for the tokens at `forward_batch.out_cache_loc`. Layers that carry the whole residual stream
+  in `hidden_states` (no split residual, marked `carries_stream_in_hidden_states`) are hooked on the decoder layer
+  instead, `layer(positions, hidden_states, forward_batch)`: its input is the value entering the group.
+- `at_stage_boundaries`: models whose layers begin with SGLang's stage boundary, `prepare(hidden_states,
+  forward_batch)` (fused add + norm, which leaves the value entering the layer in the residual stream), and are
+  called through `.forward` (no module hooks fire): that `prepare` is wrapped on each group's first layer.
 """
 
 from functools import partial
@@ -44,19 +41,25 @@ def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
     store.write_hidden(first_layer, forward_batch.out_cache_loc, hidden_states[:n])
 
 
-BOUNDARIES = ("boundary", "attn_boundary")  # the stage boundary a layer begins with: Nemotron-H's, Granite-4.0-H's
-
-
-def _entry_boundary(layer):
-    return next((getattr(layer, name) for name in BOUNDARIES if hasattr(layer, name)), None)
+def at_mixer_inputs(layers, store: HiddenStore, mixer: str) -> list:
+    """Pre-hooks on each group's first `layer.<mixer>` (or the decoder layer); returns the handles."""
+    first = store.layout.groups[0].first_layer
+    handles = [getattr(layers[first], mixer).register_forward_pre_hook(partial(_capture_tokens, store))]
+    for group in store.layout.stored_groups:
+        layer = layers[group.first_layer]
+        if getattr(layer, "carries_stream_in_hidden_states", False):
+            handles.append(layer.register_forward_pre_hook(partial(_capture_layer_input, store, group.first_layer)))
+        else:
+            hook = partial(_capture_group_input, store, group.first_layer)
+            handles.append(getattr(layer, mixer).register_forward_pre_hook(hook))
+    return handles
 
 
 class _StageInputCapture:
-    """Wraps one layer's entry `prepare` (Mamba2 models): after it, writes the tokens or the group input."""
+    """Wraps one layer's entry `prepare`: after it, writes the tokens (group 0) or the group input."""
 
-    def __init__(self, layer, store: HiddenStore, first_layer: int | None):
-        self.boundary = _entry_boundary(layer)
-        self.prepare = self.boundary.prepare
+    def __init__(self, boundary, store: HiddenStore, first_layer: int | None):
+        self.boundary, self.prepare = boundary, boundary.prepare
         self.store, self.first_layer = store, first_layer
         self.boundary.prepare = self
 
@@ -76,18 +79,9 @@ class _StageInputCapture:
         self.boundary.prepare = self.prepare
 
 
-def install(layers, store: HiddenStore) -> list:
-    """Register the hooks on the model's decoder layers; returns the handles."""
-    groups = store.layout.groups
-    if _entry_boundary(layers[groups[0].first_layer]) is not None:  # Mamba2 models
-        return [_StageInputCapture(layers[groups[0].first_layer], store, None)] + [
-            _StageInputCapture(layers[g.first_layer], store, g.first_layer) for g in store.layout.stored_groups]
-    handles = [layers[groups[0].first_layer].linear_attn.register_forward_pre_hook(partial(_capture_tokens, store))]
-    for group in store.layout.stored_groups:
-        layer = layers[group.first_layer]
-        if getattr(layer, "carries_stream_in_hidden_states", False):
-            handles.append(layer.register_forward_pre_hook(partial(_capture_layer_input, store, group.first_layer)))
-        else:
-            hook = partial(_capture_group_input, store, group.first_layer)
-            handles.append(layer.linear_attn.register_forward_pre_hook(hook))
-    return handles
+def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
+    """Wraps `boundary_of(layer).prepare` on each group's first layer; returns the wrappers (each `remove()`s)."""
+    first = store.layout.groups[0].first_layer
+    return [_StageInputCapture(boundary_of(layers[first]), store, None)] + [
+        _StageInputCapture(boundary_of(layers[g.first_layer]), store, g.first_layer)
+        for g in store.layout.stored_groups]

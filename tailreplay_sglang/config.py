@@ -2,8 +2,8 @@
 variable the package reads.
 
 The launcher parses the flags (see `plugin.py`) and hands the config to SGLang's scheduler processes through the
-environment (`TAILREPLAY_CONFIG`), since they are spawned, not forked, and never see our argv. The CPU fallback's
-switches (`cpu_engine_requested`, `cpu_fallback_disabled`) are read here too, so no other module reads the environment.
+environment (`TAILREPLAY_CONFIG`), since they are spawned, not forked, and never see our argv. No other module
+reads the environment.
 """
 
 import json
@@ -12,11 +12,9 @@ import os
 from dataclasses import asdict, dataclass
 
 ENV_VAR = "TAILREPLAY_CONFIG"
-CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch to its CPU engine (`is_cpu()` wants "1")
-DISABLE_CPU_FALLBACK_ENV = "TAILREPLAY_DISABLE_CPU_FALLBACK"
-MODES = ("ratio", "full", "zero")
+REPLAY_MODES = ("ratio", "full", "zero")
 HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a float32 scale per token (hidden_codec)
-GDN_CHUNK = 64  # the chunk of the GDN prefill kernels: interval anchors are taken at chunk boundaries
+GDN_CHUNK = 64  # the chunk of fla's delta-rule prefill kernels and ops/gdn: interval anchors lie on its grid
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")
 ANCHOR_KEEP = ("lru", "ends")  # which device anchor goes first under pressure (cache/component.py)
@@ -41,8 +39,7 @@ class TailReplayConfig:
     # anchor c has m - c <= budget starts from a copy of that state and replays [c, m): exact. Past the budget, or
     # with no anchor, the paper's zero-init tail. exact_budget None: max(tail_len(m), anchor_interval);
     # 0: anchored replay off (no anchor kept or used: the paper's pure mode).
-    # 512: a hit half an interval from its anchor is at or below the paper's r = 0.05 hit time from 4K tokens up, and
-    # the worst case (511 tokens) stays within 1.3x of it at 8K; 1024 would not (docs/results.md, section 1).
+    # The default interval is chosen by measurement (docs/results.md, section 1).
     anchor_interval: int = 512
     exact_budget: int | None = None
     # Host-memory anchors: a state the device mamba pool evicts moves to a host pool of this many states (0: off)
@@ -50,11 +47,11 @@ class TailReplayConfig:
     host_anchors: int = 0
     # An exact hit at most this many tokens past its anchor is not replayed: its match stops at the anchor and the
     # extend computes those tokens in the same pass as the rest of the prompt, as after a stock hit. 64 covers a chat
-    # turn under extra_buffer (states every 64 tokens); a replay pass costs more than that (docs/results.md, 2e).
+    # turn under extra_buffer (states every 64 tokens) at less than a replay pass's cost (docs/results.md, 2e).
     fold_tokens: int = 64
     # Which anchor the device pool evicts first: the least recently used (lru), or the least recently used one that
-    # is neither a branch point nor a path's end, if any (ends: branch points and request ends kept first; under
-    # pressure 19 of 41 hits exact against lru's 13 of 42, docs/results.md, 2e).
+    # is neither a branch point nor a path's end, if any (ends: branch points and request ends kept first; measured
+    # in docs/results.md, 2e).
     anchor_keep: str = "ends"
 
     def __post_init__(self):
@@ -69,8 +66,9 @@ class TailReplayConfig:
             raise TailReplayConfigError(
                 f"--tail-replay-min-tokens ({self.min_tokens}) must not exceed "
                 f"--tail-replay-max-tokens ({self.max_tokens})")
-        if self.mode not in MODES:
-            raise TailReplayConfigError(f"--tail-replay-mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in REPLAY_MODES:
+            raise TailReplayConfigError(f"--tail-replay-mode must be one of {', '.join(REPLAY_MODES)}, "
+                                        f"got {self.mode!r}")
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise TailReplayConfigError(
                 f"--tail-replay-hidden-dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
@@ -150,20 +148,3 @@ class TailReplayConfig:
     def from_env(cls) -> "TailReplayConfig":
         raw = os.environ.get(ENV_VAR)
         return cls(**json.loads(raw)) if raw else cls()
-
-
-def cpu_engine_requested() -> bool:
-    """SGLang's own switch to its CPU engine, read as `sglang.srt.utils.is_cpu` reads it."""
-    return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
-
-
-def cpu_fallback_disabled() -> bool:
-    return os.environ.get(DISABLE_CPU_FALLBACK_ENV) == "1"
-
-
-MAMBA_CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's conv-state dtype (default bfloat16), read at pool build
-
-
-def default_mamba_conv_dtype(dtype_name: str) -> None:
-    """Make `dtype_name` SGLang's conv-state dtype unless the user chose one (cpu/extra_buffer.py says why)."""
-    os.environ.setdefault(MAMBA_CONV_DTYPE_ENV, dtype_name)

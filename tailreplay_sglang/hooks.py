@@ -11,11 +11,12 @@ Tables, by where they are registered:
   `MODEL_LOADER` in those that already loaded SGLang's model loader;
 - `RUNTIME` and `INTERVAL_ANCHORS`: scheduler processes with Tail-Replay enabled; rows marked `bound` get the
   process's `TailReplayRuntime` as their function's first parameter; the second table only with interval anchors;
-- `CPU_ENGINE`: SGLang on a CPU without AMX (plugin entry point `tailreplay_cpu_ops`);
-- `ELSEWHERE`: changes made outside `HookRegistry`, listed here so that this file is the whole picture: the two
-  `.pth` import hooks the wheel installs into site-packages, and the capture's torch pre-hooks on the model.
+- `ELSEWHERE`: changes made outside `HookRegistry`, listed here so that this file is the whole picture: the
+  `.pth` import hook the wheel installs into site-packages, and the capture's torch pre-hooks on the model.
 `tests/test_hooks.py` checks that every target exists in the installed SGLang and that no other module registers a
 hook.
+SGLang on a CPU without AMX is changed by a separate package, the CPU port `sglang_cpu_compat`, with its own table,
+entry point and `.pth`; this package never imports it.
 """
 
 import functools
@@ -28,7 +29,6 @@ _TOKENIZER = f"{_SRT}.managers.tokenizer_manager.TokenizerManager"
 _RUNNER = f"{_SRT}.model_executor.model_runner.ModelRunner"
 _CACHE = f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _STREAMER = f"{_SRT}.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-_FLA = "sglang.kernels.ops.attention.fla"
 _PKG = "tailreplay_sglang"
 
 
@@ -104,23 +104,23 @@ RUNTIME = (
 
 INTERVAL_ANCHORS = (
     Hook(f"{_SRT}.layers.attention.linear.gdn_backend.causal_conv1d_fn", "around",
-         f"{_PKG}.lifecycle:write_anchor_conv_states",
+         f"{_PKG}.families.gdn:write_anchor_conv_states",
          "SGLang's prefill conv (every device): the planned anchors' conv states are the inputs before each offset, "
          "read before the conv updates the slots", bound=True),
     Hook(f"{_SRT}.layers.attention.linear.kernels.gdn_triton.chunk_gated_delta_rule", "around",
-         f"{_PKG}.lifecycle:write_anchor_ssm_states",
+         f"{_PKG}.families.gdn:write_anchor_ssm_states",
          "SGLang's chunked GDN prefill (fla's Triton kernel, or the fallback's op): the states it returns for every "
          "64-token chunk hold the planned anchors' SSM states", bound=True),
     Hook(f"{_SRT}.layers.attention.linear.kda_backend.causal_conv1d_fn", "around",
-         f"{_PKG}.lifecycle:write_anchor_conv_states",
+         f"{_PKG}.families.kda:write_anchor_conv_states",
          "KDA's prefill conv (every device): as GDN's, the planned anchors' conv states are the inputs before each "
          "offset", bound=True),
     Hook(f"{_SRT}.layers.attention.linear.kernels.kda_triton.TritonKDAKernel.extend", "around",
-         f"{_PKG}.lifecycle:write_anchor_kda_states",
+         f"{_PKG}.families.kda:write_anchor_ssm_states",
          "KDA's chunked prefill (fla's Triton kernel, or the CPU op): asked for its per-chunk states when anchors "
          "are planned, which hold their SSM states", bound=True),
     Hook(f"{_SRT}.layers.attention.mamba.mamba.MambaMixer2.forward", "around",
-         f"{_PKG}.lifecycle:write_anchor_mamba2_states",
+         f"{_PKG}.families.mamba2:write_anchor_states",
          "every Mamba2 mixer's forward (every device): its scan returns the per-chunk states on a grid over the packed "
          "batch, which holds the planned anchors' SSM states; their conv states are the input rows before them",
          bound=True),
@@ -131,68 +131,15 @@ INTERVAL_ANCHORS = (
          "frees the interval anchors a released request never got into the tree", bound=True),
 )
 
-CPU_ENGINE = (
-    Hook(f"{_FLA}.layernorm_gated.RMSNorm.forward", "replace", f"{_PKG}.cpu.triton_branches:rmsnorm_gated_forward",
-         "Qwen3.5's GDN output norm goes to Triton on a CPU without AMX"),
-    Hook(f"{_FLA}.fused_norm_gate.FusedRMSNormGated.forward", "replace",
-         f"{_PKG}.cpu.triton_branches:fused_rmsnorm_gated_forward",
-         "Qwen3-Next's GDN output norm goes to Triton on a CPU without AMX"),
-    Hook("sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add", "replace",
-         f"{_PKG}.cpu.fused:gate_sigmoid_mul_add_", "the Qwen-MoE shared-expert gate goes to Triton"),
-    Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend", "around",
-         f"{_PKG}.cpu.extend_attention:sdpa_forward_extend",
-         "stock pads the queries to the whole sequence (O(L x L) per hit); ours computes the new tokens' only"),
-    Hook(f"{_SRT}.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer", "replace",
-         f"{_PKG}.cpu.extra_buffer:platform_supports_extra_buffer",
-         "SGLang's GPU default strategy (extra_buffer) lists GPU platforms only; the CPU ops give it what it reads"),
-    Hook(f"{_RUNNER}.alloc_memory_pool", "before", f"{_PKG}.cpu.extra_buffer:conv_dtype_follows_model",
-         "extra_buffer index-puts activations into the conv pool, which must then have the model's dtype (bfloat16 "
-         "by default, what GPU models run in; CPU models run in float32 or float16)"),
-    Hook("torch.Tensor.pin_memory", "call", f"{_PKG}.cpu.extra_buffer:pin_memory_is_identity",
-         "extra_buffer stages each decode batch's track mask through pinned memory, which a CPU-only torch refuses"),
-    Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_if_needed", "replace",
-         f"{_PKG}.cpu.extra_buffer:track_states", "extra_buffer's decode-side state tracking is a Triton kernel"),
-    Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_all_layers", "replace",
-         f"{_PKG}.cpu.extra_buffer:track_states_all_layers",
-         "extra_buffer's decode-side state tracking (all layers at once) is a Triton kernel"),
-    Hook(f"{_SRT}.layers.attention.mamba.mamba.mamba_chunk_scan_combined", "call", f"{_PKG}.cpu.mamba2:install",
-         "the Mamba2 mixer (Nemotron-H, Granite-4.0-H, Falcon-H1) binds its causal conv only on CUDA / NPU / XPU and "
-         "its SSD scan and decode update are Triton: all six names bound to torch bodies"),
-    Hook(f"{_SRT}.layers.attention.linear.kernels.kda_triton.chunk_kda", "call", f"{_PKG}.cpu.kda:install",
-         "Kimi Linear's KDA kernel module imports its prefill and decode kernels only off CPU: both names bound "
-         "to torch bodies"),
-    Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
-         f"{_PKG}.cpu.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
-    Hook(f"{_SRT}.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry", "call",
-         f"{_PKG}.cpu.mla:register_mla_handler",
-         "MLA (Kimi Linear's attention) on torch_native: SGLang's dispatch sends a fresh prefill down the MHA path, "
-         "whose per-head keys torch_native does not keep; the absorbed path attends the cached latent"),
-    Hook(f"{_SRT}.layers.moe.fused_moe_native.moe_forward_native", "around", f"{_PKG}.cpu.moe:scale_routed_output",
-         "SGLang's CPU MoE drops the routed-expert scale (Kimi Linear's 2.446) that its GPU runner applies"),
-    Hook(f"{_SRT}.models.nemotron_h.NemotronHMoE._forward_core_normal", "replace",
-         f"{_PKG}.cpu.moe:nemotron_h_moe_core",
-         "Nemotron-H's MoE router GEMM asks torch.mm for a float32 output dtype, which has no CPU kernel"),
-    Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.cpu.threads:bind_rank_threads",
-         "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
-         "other's cores"),
-)
-
 ELSEWHERE = (
-    Hook("sys.meta_path (end): sgl_kernel, sgl_kernel.mamba, torchvision", "import",
-         "tailreplay_sglang_cpu_fallback.pth -> tailreplay_sglang.cpu.fallback:install",
-         "SGLang imports sgl_kernel on every device and its CPU build is not on PyPI: served from torch ops where "
-         "the real package is missing, and only under SGLANG_USE_CPU_ENGINE=1"),
-    Hook("sys.meta_path (first): torchvision", "import",
-         "tailreplay_sglang_cpu_fallback.pth -> tailreplay_sglang.cpu.fallback:TorchvisionOpsFinder",
-         "PyPI's torchvision is a CUDA build; its image transforms run on CPU torch, but its import needs two op "
-         "schemas its C++ extension would define: defined in Python where that extension cannot load"),
     Hook("sys.meta_path (first): sglang.srt.entrypoints.engine.Engine.__init__, "
          "sglang.lang.backend.runtime_endpoint.Runtime.__init__", "import",
          "tailreplay_sglang_python_api.pth -> tailreplay_sglang.python_api:install",
          "ServerArgs is sealed at import and Engine loads plugins too late: the Tail-Replay keywords are taken off "
          "these two constructors"),
-    Hook("the first GDN layer of every group: linear_attn (or the decoder layer)", "torch pre-hook",
-         "tailreplay_sglang.capture:install (called by lifecycle.create_store)",
+    Hook("the first layer of every group: its mixer or decoder layer (torch pre-hook) or its stage boundary's "
+         "prepare (wrapped)", "capture",
+         "tailreplay_sglang.capture (the family's install_capture, called by lifecycle.create_store)",
          "writes token ids and group input hiddens at out_cache_loc during every forward"),
 )
 
@@ -244,12 +191,3 @@ def verify_applied(runtime, patched=None) -> None:
     if missing:
         raise RuntimeError(f"Tail-Replay: {len(missing)} SGLang hook(s) did not apply (SGLang's log says why), so "
                            f"hits would not be replayed correctly: {', '.join(missing)}")
-
-
-def register_cpu_engine() -> None:
-    """Plugin `tailreplay_cpu_ops`: only on SGLang's CPU engine without AMX, so GPU and AMX runs keep SGLang's own
-    kernels."""
-    from sglang.srt.utils import cpu_has_amx_support, is_cpu
-
-    if is_cpu() and not cpu_has_amx_support():
-        _register(CPU_ENGINE)

@@ -5,7 +5,7 @@ by the token embeddings; every later group is the layers following one FA layer,
 For each group after group 0 the store keeps, per token, the residual-stream value entering the group's first layer
 (the FA layer's output hidden); replaying a group needs nothing else.
 
-Two recurrent mixers (`HybridLayout.mixer`): Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid: each decoder layer is
+Three recurrent mixers (`HybridLayout.mixer`, each replayed by its family in `families/`): Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid: each decoder layer is
 a GDN mixer and its MLP) and Mamba2 (Granite-4.0-H: each layer a Mamba2 or attention mixer and its MoE + shared MLP,
 `layer_types` mamba / attention; Nemotron-H: every layer is one stage, a Mamba2 mixer `M`, attention `*`, MLP `-` or
 MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the run of layers between two
@@ -45,7 +45,7 @@ KDA_ARCHITECTURES = ("KimiLinearForCausalLM",)
 class Group:
     index: int
     layers: tuple[int, ...]  # consecutive layer ids replayed, through the last recurrent one (state-only)
-    recurrent_layers: tuple[int, ...]  # those with a recurrent mixer: GDN or Mamba2 (all of them for GDN models)
+    recurrent_layers: tuple[int, ...]  # those with a recurrent mixer (every layer of the group for GDN and KDA)
 
     @property
     def first_layer(self) -> int:
@@ -85,9 +85,6 @@ class HybridLayout:
         one too where the embeddings are stored."""
         first_fa = self.layer_types.index(FULL) if FULL in self.layer_types else len(self.layer_types)
         return tuple(g for g in self.groups if g.first_layer > first_fa or self.stores_embeddings)
-
-    def bytes_per_token(self, itemsize: int) -> int:
-        return len(self.stored_groups) * self.hidden_size * itemsize
 
     @classmethod
     def from_hf_config(cls, config) -> "HybridLayout":

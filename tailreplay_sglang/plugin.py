@@ -10,9 +10,9 @@ import dataclasses
 import logging
 import sys
 
-from tailreplay_sglang.config import (ANCHOR_KEEP, H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, MODES, TailReplayConfig,
-                                      TailReplayConfigError)
-from tailreplay_sglang.layout import MAMBA2, HybridLayout
+from tailreplay_sglang.config import (ANCHOR_KEEP, H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, REPLAY_MODES,
+                                      TailReplayConfig, TailReplayConfigError)
+from tailreplay_sglang.layout import HybridLayout
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tail-replay-hidden-dtype", choices=HIDDEN_DTYPES, default=None,
                        help="dtype of the stored group hiddens (default auto: the model's activation dtype, so a "
                             "replay reproduces the forward exactly)")
-    group.add_argument("--tail-replay-mode", choices=MODES, default=None,
+    group.add_argument("--tail-replay-mode", choices=REPLAY_MODES, default=None,
                        help="ratio (default); full: replay the whole prefix (exact); zero: reuse FA KV with zero "
                             "GDN states (the paper's baseline)")
     group.add_argument("--tail-replay-hidden-tier", choices=HIDDEN_TIERS, default=None,
@@ -85,16 +85,17 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
 
 
 def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout) -> TailReplayConfig:
-    """Mamba2 models take interval anchors from their SSD scan's per-chunk states (`anchors.write_mamba2_states`),
-    whose chunk is the model's `mamba_chunk_size`: the interval must be a multiple of it, or no anchor would fall on
-    the grid."""
-    chunk = layout.chunk_size
-    if layout.mixer != MAMBA2 or not cfg.anchored or not cfg.anchor_interval:
+    """Interval anchors are taken on the grid of the family's chunked prefill (`Family.anchor_grid`): the interval
+    must be a multiple of it, or no anchor would fall on the grid."""
+    if not cfg.anchored or not cfg.anchor_interval:
         return cfg
-    if cfg.anchor_interval % chunk:
-        raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: this Mamba2 model's scan "
-                                    f"works in chunks of {chunk} tokens (mamba_chunk_size) and anchors are taken on "
-                                    f"that grid: use a multiple of {chunk}")
+    from tailreplay_sglang.families import family_for
+
+    grid = family_for(layout).anchor_grid(layout)
+    if cfg.anchor_interval % grid:
+        raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: this model's chunked "
+                                    f"prefill works in chunks of {grid} tokens and anchors are taken on that grid: "
+                                    f"use a multiple of {grid}")
     return cfg
 
 

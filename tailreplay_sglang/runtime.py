@@ -10,6 +10,7 @@ What it holds, and who fills it:
   `prepare_for_extend` hook, taken by the replay hook;
 - `interval_anchors`: the anchor planner, whose plan the prefill hooks fill (None without interval anchors);
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
+- `family`: the model's recurrent family (`families/`), bound to the loaded model with the store;
 - `host_anchors`: the host pool of evicted anchors (`cache.host_anchors`), created with the store, or None;
 - `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
@@ -20,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tailreplay_sglang.cache.anchors import IntervalAnchors
-from tailreplay_sglang.cache.pending import PendingReplays
+from tailreplay_sglang.cache.request import PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 
 if TYPE_CHECKING:
     from tailreplay_sglang.cache.host_anchors import HostAnchors
+    from tailreplay_sglang.families import Family
     from tailreplay_sglang.store.hidden_store import HiddenStore
     from tailreplay_sglang.visibility import ReplayMetrics
 
@@ -35,6 +37,7 @@ class TailReplayRuntime:
     pending: PendingReplays = field(default_factory=PendingReplays)
     interval_anchors: IntervalAnchors | None = None
     store: "HiddenStore | None" = None
+    family: "Family | None" = None
     host_anchors: "HostAnchors | None" = None
     forward_stream: object = None
     metrics: "ReplayMetrics | None" = None

@@ -5,14 +5,16 @@ counters when SGLang runs with `--enable-metrics`.
 `SchedulerOutputStreamer` customized-info extension point, once per request:
 - `tail_replay_tokens`: tokens replayed for the request (0 without a hit, or with an anchor at the match end);
 - `tail_replay_ms`: wall time of the replay pass that served it (shared by all requests of that prefill batch);
-- `tail_replay_exact`: whether the request's GDN states are exact: no hit, an anchored replay, or the whole prefix
+- `tail_replay_exact`: whether the request's recurrent states are exact: no hit, an anchored replay, or the whole prefix
   replayed; false only for the paper's zero-init tail;
 - `tail_replay_anchor`: depth c of the anchor state the replay started from, or null;
-- `tail_replay_state_survival`: zero-init tails only (else null): the largest, over GDN layers and heads, share of
+- `tail_replay_state_survival`: zero-init tails only (else null): the largest, over recurrent layers and heads, share of
   the dropped prefix state that can still count at the match end, exp(sum of the log-gates over the tail). 1 means
   some head forgets nothing over the tail, so the approximation may be far off; near 0, the dropped state is gone
   anyway (`replay.py` has the bound).
 """
+
+from tailreplay_sglang.cache.request import peek, state_of
 
 DEFAULTS = {"tail_replay_tokens": 0, "tail_replay_ms": 0.0, "tail_replay_exact": True, "tail_replay_anchor": None,
             "tail_replay_state_survival": None}
@@ -20,19 +22,31 @@ KEYS = tuple(DEFAULTS)
 
 
 def record_hit(req, anchor: int | None, survival: float | None) -> None:
-    # `tail_replay_exact` is already on the request: the cache sets it at the match (cache.EXACT_ATTR)
-    req.tail_replay_anchor, req.tail_replay_state_survival = anchor, survival
+    # `exact` is already set: the cache sets it at the match
+    state = state_of(req)
+    state.anchor, state.state_survival = anchor, survival
 
 
 def record_replay(req, tokens: int, ms: float, survival: float) -> None:
-    req.tail_replay_tokens, req.tail_replay_ms = tokens, round(ms, 3)
-    if not req.tail_replay_exact:
-        req.tail_replay_state_survival = round(survival, 6)
+    state = state_of(req)
+    state.tokens, state.ms = tokens, round(ms, 3)
+    if not state.exact:
+        state.state_survival = round(survival, 6)
+
+
+def fields_of(req) -> dict:
+    """The request's values of KEYS: a request Tail-Replay never matched reports the defaults (no hit: exact)."""
+    state = peek(req)
+    if state is None:
+        return DEFAULTS
+    return {"tail_replay_tokens": state.tokens, "tail_replay_ms": state.ms, "tail_replay_exact": state.exact,
+            "tail_replay_anchor": state.anchor, "tail_replay_state_survival": state.state_survival}
 
 
 def build_customized_info(streamer, reqs) -> dict[str, list]:
     # one value per request, each a list as SGLang's tokenizer manager accumulates them
-    return {key: [[getattr(req, key, default)] for req in reqs] for key, default in DEFAULTS.items()}
+    fields = [fields_of(req) for req in reqs]
+    return {key: [[f[key]] for f in fields] for key in KEYS}
 
 
 def scalar_meta_info(original, meta_info, state, key, values):
@@ -52,11 +66,11 @@ class ReplayMetrics:
     def __init__(self):
         from prometheus_client import Counter
 
-        self.requests = Counter("sglang:tail_replay_requests_total", "Requests whose GDN states were replayed.")
-        self.tokens = Counter("sglang:tail_replay_tokens_total", "Tokens replayed through GDN layers.")
+        self.requests = Counter("sglang:tail_replay_requests_total", "Requests whose recurrent states were replayed.")
+        self.tokens = Counter("sglang:tail_replay_tokens_total", "Tokens replayed through recurrent layers.")
         self.seconds = Counter("sglang:tail_replay_seconds_total", "Wall time spent in replay passes.")
         self.exact_hits = Counter("sglang:tail_replay_exact_hits_total",
-                                  "Hits whose GDN states were rebuilt exactly (from an anchor, or the whole prefix).")
+                                  "Hits whose recurrent states were rebuilt exactly (from an anchor, or the whole prefix).")
         self.approximate_hits = Counter("sglang:tail_replay_approximate_hits_total",
                                         "Hits served by the zero-init tail (no anchor within the exact budget).")
         self.evicted_anchors = Counter("sglang:tail_replay_evicted_anchors_total",

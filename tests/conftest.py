@@ -1,5 +1,6 @@
 """Fixtures shared by the tests: the seed, the small models (built once per session under models/), their HF
-references and tokenizers, the exact Tail-Replay server, and the soak options. Plain helpers: tests/helpers.py."""
+references and tokenizers, the SGLang servers several modules share, and the soak options. Plain helpers:
+tests/helpers.py."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import EXACT_FLAGS, MODELS_DIR, start_server
+from helpers import EXACT_FLAGS, MODELS_DIR, ServerRegistry, Spec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
 
@@ -88,17 +89,71 @@ def hf_olmo_hybrid(tiny_olmo_hybrid):
 
 
 # ---- real SGLang servers shared by several modules ----
+# One server per flag set for the whole session (helpers.ServerRegistry): started by the first test that needs it,
+# stopped by PID after the last one (the hooks below), so modules with the same flags share it. Each is a
+# module-scoped fixture; a module that needs an empty cache flushes it (/flush_cache). tests/README.md says which
+# module uses which server.
+
+STOCK_FLAGS = ("--dtype", "float32", "--enable-metrics")
+ANCHORED_FLAGS = ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")  # the plugin's defaults
+BIG_POOL = {"max_total_tokens": 8192, "context_length": 4096}
+SHARED_SERVERS = ("exact_tail_replay_server", "stock_qwen35_server", "anchored_qwen35_server")
+_REGISTRY = pytest.StashKey[ServerRegistry]()
+_LAST_USERS = pytest.StashKey[dict]()
+
 
 @pytest.fixture(scope="session")
-def exact_tail_replay_server(tiny_qwen35, tmp_path_factory):
-    yield from start_server(tiny_qwen35, tmp_path_factory, *EXACT_FLAGS)
+def server_registry(tmp_path_factory, pytestconfig):
+    registry = ServerRegistry(tmp_path_factory)
+    pytestconfig.stash[_REGISTRY] = registry
+    yield registry
+    registry.close()
 
 
-@pytest.fixture(scope="session")
-def stock_qwen35_server(tiny_qwen35, tmp_path_factory):
+@pytest.fixture(scope="module")
+def exact_tail_replay_server(server_registry, tiny_qwen35):
+    """Tail-Replay in the paper's mode replaying whole prefixes (EXACT_FLAGS) on tiny Qwen3.5: test_python_api.py,
+    test_router.py (a worker) and test_tail_replay.py."""
+    yield from server_registry.serve("exact_tail_replay_server", Spec(tiny_qwen35, EXACT_FLAGS))
+
+
+@pytest.fixture(scope="module")
+def stock_qwen35_server(server_registry, tiny_qwen35):
     """Stock SGLang on tiny Qwen3.5 in float32 with metrics: test_server.py's server and test_bench.py's stock arm."""
-    yield from start_server(tiny_qwen35, tmp_path_factory, "--dtype", "float32", "--enable-metrics",
-                            max_total_tokens=8192, context_length=4096)
+    yield from server_registry.serve("stock_qwen35_server", Spec(tiny_qwen35, STOCK_FLAGS, kwargs=BIG_POOL))
+
+
+@pytest.fixture(scope="module")
+def anchored_qwen35_server(server_registry, tiny_qwen35):
+    """Tail-Replay's defaults (anchored replay) on tiny Qwen3.5 in float32 with metrics, the same pool as the stock
+    one: test_bench.py's Tail-Replay arm and a test_router.py worker."""
+    yield from server_registry.serve("anchored_qwen35_server", Spec(tiny_qwen35, ANCHORED_FLAGS, kwargs=BIG_POOL))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Note, per shared server, the last test (after -k, -m and friends deselected theirs) that needs it."""
+    last = {}
+    for item in items:
+        for name in SHARED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                last[name] = item.nodeid
+    users = {}
+    for name, nodeid in last.items():
+        users.setdefault(nodeid, []).append(name)
+    config.stash[_LAST_USERS] = users
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that needs a shared server (and its fixtures) is torn down, stop that server."""
+    try:
+        return (yield)
+    finally:
+        registry = item.config.stash.get(_REGISTRY, None)
+        for name in item.config.stash.get(_LAST_USERS, {}).get(item.nodeid, ()):
+            if registry is not None:
+                registry.release(name)
 
 
 def pytest_addoption(parser):

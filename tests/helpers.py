@@ -1,6 +1,6 @@
-"""Plain helpers the tests share: the model folder, the exact Tail-Replay flags, a server started and stopped by PID,
-greedy `/generate`, the multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts
-loaded by path. Fixtures live in conftest.py; test modules import these with `from helpers import ...` (pytest puts
+"""Plain helpers the tests share: the model folder, the exact Tail-Replay flags, servers started and stopped by PID
+(per module, or once per session for the flag sets several modules share: ServerRegistry), greedy `/generate`, the
+multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts loaded by path. Fixtures live in conftest.py; test modules import these with `from helpers import ...` (pytest puts
 tests/ on the import path, as it does for conftest.py)."""
 
 import concurrent.futures
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("TAILREPLAY_MODELS_DIR", ROOT / "models"))
 
 # The paper's mode (no anchors: --tail-replay-exact-budget 0) replaying the whole prefix (ratio 1): exact. One
-# server for the session (conftest's `exact_tail_replay_server`), shared by test_tail_replay.py and
-# test_python_api.py (anchored replay: its own file).
+# server for the session (conftest's `exact_tail_replay_server`), shared by test_python_api.py, test_router.py and
+# test_tail_replay.py (anchored replay: its own file).
 EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
                "--tail-replay-hidden-dtype", "float32",
                "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "128")
@@ -86,6 +86,17 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
     overlapping several starts costs less wall time than running them one after the other."""
     servers = {}
     try:
+        launch(tmp_path_factory, specs, servers)
+        yield servers
+    finally:
+        stop_all(servers)
+
+
+def launch(tmp_path_factory, specs: dict[str, Spec], servers: dict | None = None) -> dict[str, ServerProcess]:
+    """Start the servers of `specs` at once and wait until all are healthy: {name: running server}, filled into
+    `servers` as they start (so a caller's `finally` can stop them); a start that fails stops them all."""
+    servers = {} if servers is None else servers
+    try:
         for name, spec in specs.items():
             log = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
             # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises
@@ -94,12 +105,79 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
                                           **spec.kwargs).start()
         for server in servers.values():
             server.wait_healthy()
-        yield servers
-    finally:
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
-            list(pool.map(ServerProcess.stop, servers.values()))
-        alive = [name for name, server in servers.items() if _group_alive(server.proc.pid)]
-        assert not alive, f"server process groups survived stop(): {alive}"
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def stop_all(servers: dict[str, ServerProcess]) -> None:
+    """Stop the servers together, each by its process group, and check that none survived."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(ServerProcess.stop, servers.values()))
+    alive = [name for name, server in servers.items() if _group_alive(server.proc.pid)]
+    assert not alive, f"server process groups survived stop(): {alive}"
+
+
+def spec_key(spec: Spec) -> tuple:
+    """What makes two servers the same server: model folder, flags, environment, ServerProcess keywords."""
+    return (str(spec.model_path), tuple(spec.args), tuple(sorted((spec.env or {}).items())),
+            tuple(sorted(spec.kwargs.items())))
+
+
+class ServerRegistry:
+    """The servers several modules share (conftest.py's SHARED_SERVERS), one per `spec_key` for the whole session.
+
+    A server starts on its first use (`serve`, the body of a module-scoped fixture) and is stopped by PID when the
+    last test that needs it is done (`release`, called by conftest's teardown hook), at the end of the session
+    (`close`), or, should a start find `max_alive` up already, when it is the least recently used one that no module
+    is using: a later `serve` starts it again (`starts` counts the starts per server)."""
+
+    def __init__(self, tmp_path_factory, max_alive: int = 3):
+        self._tmp = tmp_path_factory
+        self.max_alive = max_alive
+        self._alive: dict[tuple, ServerProcess] = {}  # insertion order = least recently used first
+        self._held: dict[tuple, int] = {}  # modules using the server now
+        self._keys: dict[str, tuple] = {}  # fixture name -> spec_key
+        self.starts: dict[str, int] = {}
+
+    def serve(self, name: str, spec: Spec):
+        """Generator body for a module-scoped fixture: yield the running server for `spec`, started if needed."""
+        key = self._keys.setdefault(name, spec_key(spec))
+        assert key == spec_key(spec), f"{name}: one name, one flag set"
+        self._held[key] = self._held.get(key, 0) + 1
+        try:
+            yield self._get(name, key, spec)
+        finally:
+            self._held[key] -= 1
+
+    def _get(self, name: str, key: tuple, spec: Spec) -> ServerProcess:
+        server = self._alive.pop(key, None)
+        if server is not None and server.proc.poll() is not None:  # it died (and the test that saw it failed)
+            stop_all({name: server})
+            server = None
+        if server is None:
+            idle = [k for k in self._alive if not self._held.get(k)]
+            while len(self._alive) >= self.max_alive and idle:
+                self._stop(idle.pop(0))
+            server = launch(self._tmp, {name: spec})[name]
+            self.starts[name] = self.starts.get(name, 0) + 1
+        self._alive[key] = server  # now the most recently used
+        return server
+
+    def release(self, name: str) -> None:
+        """No later test needs this server: stop it now rather than at the end of the session."""
+        key = self._keys.get(name)
+        if key in self._alive:
+            self._stop(key)
+
+    def _stop(self, key: tuple) -> None:
+        name = next(n for n, k in self._keys.items() if k == key)
+        stop_all({name: self._alive.pop(key)})
+
+    def close(self) -> None:
+        for key in list(self._alive):
+            self._stop(key)
 
 
 def generate_response(server, input_ids, max_new_tokens, **extra) -> requests.Response:

@@ -157,13 +157,26 @@ def test_eight_concurrent_hits_on_one_anchor(server):
     assert pool_leaks(wait_idle(server.base_url)) == []
 
 
-def test_metrics_count_exact_and_approximate_hits(server):
+def replay_counts(server) -> dict[str, float]:
     metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    counts = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
-              if line.startswith("sglang:tail_replay_") and not line.startswith("#")}
-    assert counts.get("sglang:tail_replay_exact_hits_total", 0) > 0
-    assert "sglang:tail_replay_approximate_hits_total" in counts
-    assert "sglang:tail_replay_evicted_anchors_total" in counts
+    return {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("sglang:tail_replay_") and not line.startswith("#")}
+
+
+def test_metrics_count_exact_and_approximate_hits(server, paper_server):
+    """One hit on each server, counted by what it was (the increase over this test: the counters are cumulative)."""
+    exact, approximate = "sglang:tail_replay_exact_hits_total", "sglang:tail_replay_approximate_hits_total"
+    prompt = random_ids(300, seed=8)
+    for srv, kind in ((server, exact), (paper_server, approximate)):
+        flush_cache(srv.base_url)
+        generate(srv, prompt, 1)
+        before = replay_counts(srv)
+        assert "sglang:tail_replay_evicted_anchors_total" in before
+        hit = generate(srv, prompt[:250] + [5, 6], 1)["meta_info"]
+        assert hit["cached_tokens"] == 250 and hit["tail_replay_exact"] is (kind == exact)
+        after = replay_counts(srv)
+        assert {k: after.get(k, 0) - before.get(k, 0) for k in (exact, approximate)} == {
+            exact: float(kind == exact), approximate: float(kind == approximate)}
 
 
 def test_evicted_anchors_fall_back_to_the_zero_init_tail_without_error_or_leak(small_pool_server):

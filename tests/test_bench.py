@@ -1,7 +1,7 @@
 """Smoke test of the benchmarks at a tiny size: bench/ttft.py, bench/workloads.py and bench/load.py's bench_serving
-runs against two real tiny servers (the session's stock one and a Tail-Replay one started with the benchmarks' own
-harness, passed by --url) write JSON of the expected structure, and Tail-Replay's hits cover exactly what was
-matchable."""
+runs against two real tiny servers (the session's stock one and its Tail-Replay one on the plugin's defaults, passed by
+--url) write JSON of the expected structure, and Tail-Replay's hits cover exactly what was matchable. (The
+benchmarks' own way of starting servers, `harness.running_servers`, runs in tests/test_quality_bench.py.)"""
 
 import json
 from pathlib import Path
@@ -24,15 +24,13 @@ TR = "Tail-Replay r=0.05"
 
 
 @pytest.fixture(scope="module")
-def urls(tiny_qwen35, stock_qwen35_server, tmp_path_factory):
-    """The session's stock server (float32, metrics, 8192-token pool, context 4096) and a Tail-Replay one started
-    with the benchmarks' own harness on the same settings, as `--url LABEL=URL` arguments."""
-    configs = {TR: ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")}
-    log_stem = tmp_path_factory.mktemp("bench") / "bench"
-    with harness.running_servers(tiny_qwen35, configs, log_stem, Console(), max_total_tokens=8192,
-                                 context_length=4096) as procs:
-        servers = {"stock": stock_qwen35_server, **procs}
-        yield [arg for label, p in servers.items() for arg in ("--url", f"{label}={p.base_url}")]
+def urls(stock_qwen35_server, anchored_qwen35_server):
+    """The session's stock server (float32, metrics, 8192-token pool, context 4096) and its Tail-Replay one on the
+    same settings with the plugin's defaults (`--enable-tail-replay` alone), as `--url LABEL=URL` arguments."""
+    servers = {"stock": stock_qwen35_server, TR: anchored_qwen35_server}
+    for server in servers.values():
+        harness.flush_cache(server.base_url)
+    return [arg for label, p in servers.items() for arg in ("--url", f"{label}={p.base_url}")]
 
 
 def test_ttft_full_prefill_misses_and_tail_replay_hits_the_whole_prefix(urls, tiny_qwen35, tmp_path):
@@ -322,13 +320,14 @@ def test_load_equal_memory_charges_the_device_tier_store():
 
 def test_profile_attributes_samples_to_the_innermost_plugin_module():
     """bench/profile_load.py's attribution of py-spy stacks: the innermost plugin frame decides; the CPU ops that
-    stock runs too (tailreplay_sglang/cpu/ and ops/) and SGLang's own frames count for nobody."""
-    root = "/work/x/tailreplay_sglang"
+    stock runs too (the CPU port, sglang_cpu_compat, and tailreplay_sglang/ops/) and SGLang's own frames count for
+    nobody."""
+    root, port = "/work/x/tailreplay_sglang", "/work/x/cpu_compat/sglang_cpu_compat"
     stacks = "\n".join([
         f"run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
         f"_write ({root}/store/hidden_store.py:76) 3",
         f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/ops/gdn.py:130) 80",
-        f"run (sglang/scheduler.py:1);causal_conv1d_fn_cpu ({root}/cpu/sgl_kernel_shim.py:45) 10",
+        f"run (sglang/scheduler.py:1);causal_conv1d_fn_cpu ({port}/sgl_kernel_shim.py:45) 10",
         f"run (sglang/scheduler.py:1);run ({root}/replay.py:88);scan ({root}/ops/gdn.py:149) 5",
         "run (sglang/scheduler.py:1) 2"])
     total, per_module = profile_load.attribute(stacks)

@@ -69,14 +69,19 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
-from tailreplay_sglang.cache.component import (MATCH_ATTR, TAINT_ATTR, TailReplayMambaComponent,
-                                               create_tail_replay_cache, is_exact)
+from tailreplay_sglang.cache.component import TailReplayMambaComponent, create_tail_replay_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
+from tailreplay_sglang.cache.request import TAINT_ATTR, Match, is_exact, peek, state_of
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.cache.pending import Match
 from tailreplay_sglang.runtime import TailReplayRuntime
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+
+
+def match_of(req):
+    """The hit the cache handed to the replay, or None."""
+    state = peek(req)
+    return None if state is None else state.match
 
 KV_SLOTS = 40  # small, so admissions and decodes evict
 REQ_ROWS = MAMBA_SLOTS = 3  # a live request holds one row and one mamba slot
@@ -371,7 +376,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.init_next_round_input(self.cache)
         self.req_pool.mamba_allocator.alloc_group_end()
         self.check_hit(tokens, req.prefix_len, req.last_node, limit=len(tokens) - 1)
-        match = getattr(req, MATCH_ATTR, None)
+        match = match_of(req)
         self.check_admitted(req, match)
         chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
         req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
@@ -442,9 +447,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         """A request that already holds a slot matches again (e.g. a checkpoint re-match): it keeps its live state."""
         req = data.draw(st.sampled_from(self.live))
         slot, free_slots = int(req.kv.mamba_pool_idx), self.req_pool.mamba_allocator.available_size()
-        setattr(req, MATCH_ATTR, None)
+        state_of(req).match = None
         self.match(tokens_of(req)[:req.kv.kv_committed_len], req=req, cow_mamba=True)
-        assert getattr(req, MATCH_ATTR) is None, f"{MATCH_ATTR} set on a request that holds its state"
+        assert match_of(req) is None, "a match set on a request that holds its state"
         assert int(req.kv.mamba_pool_idx) == slot and req.kv.mamba_cow_src_index is None, "live state replaced"
         assert self.req_pool.mamba_allocator.available_size() == free_slots, "a re-match took a mamba slot"
 
@@ -720,7 +725,7 @@ def test_a_hit_through_kv_an_approximate_request_inserted_is_not_exact(sglang_co
                                       prev_prefix_len=8, inserted_len=8))
             req = new_request(1, prompt + (2,))
             req.init_next_round_input(cache)
-            match = getattr(req, MATCH_ATTR)
+            match = match_of(req)
             assert (match.matched, match.anchor) == (10, 8)  # within the budget of the state at depth 8
             assert match.exact is not approximate, "a hit reading an approximate request's KV reported exact"
             req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
@@ -744,7 +749,7 @@ def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_s
                                       prev_prefix_len=anchor_depth, inserted_len=anchor_depth))
             req = new_request(1, prompt + (2,))
             req.init_next_round_input(cache)
-            assert getattr(req, MATCH_ATTR) == expected and req.prefix_len == expected.matched
+            assert match_of(req) == expected and req.prefix_len == expected.matched
             assert path_tokens(cache.tree_core.node_by_id(req.last_node)) == prompt[:expected.matched]
             assert float(req_pool.mamba_pool.mamba_cache.temporal[0, int(req.kv.mamba_pool_idx)].view(-1)[0]) == 42.0
 
@@ -796,7 +801,7 @@ def mark_nothing(self, params, result):
 
 def mark_every_request(self, params, result):
     if params.cow_mamba and params.req is not None:
-        setattr(params.req, MATCH_ATTR, Match(result.device_prefix_len, None))
+        state_of(params.req).match = Match(result.device_prefix_len, None)
     return result
 
 

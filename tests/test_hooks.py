@@ -1,6 +1,7 @@
 """The table of SGLang change points (`tailreplay_sglang/hooks.py`) is the whole picture and matches the installed
 SGLang: every target exists, every function resolves, no other module registers a hook, and the runtime's state
-reaches its hooks through the object they are bound to. The two .pth import hooks never break an import."""
+reaches its hooks through the object they are bound to. The .pth import hook never breaks an import. The CPU
+port's table and import hooks are checked in tests/cpu_compat/test_compat_hooks.py."""
 
 import ast
 import pkgutil
@@ -11,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailreplay_sglang import hooks, lifecycle
+from tailreplay_sglang import hooks
+from tailreplay_sglang.families import gdn
 from tailreplay_sglang.cache.anchors import IntervalAnchors
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.runtime import TailReplayRuntime
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tailreplay_sglang"
-REGISTERED = hooks.ALWAYS + hooks.MODEL_LOADER + hooks.RUNTIME + hooks.INTERVAL_ANCHORS + hooks.CPU_ENGINE
+REGISTERED = hooks.ALWAYS + hooks.MODEL_LOADER + hooks.RUNTIME + hooks.INTERVAL_ANCHORS
 
 
 @pytest.mark.parametrize("hook", REGISTERED, ids=lambda h: h.target.rsplit(".", 2)[-2] + "." + h.kind)
@@ -59,8 +61,8 @@ def test_the_runtime_hooks_read_their_own_runtime():
     kernel = lambda **kw: (None, None, h)  # noqa: E731
     for runtime in (first, second):
         pool = torch.full((8, 2, 2, 2), -1.0)
-        lifecycle.write_anchor_ssm_states(runtime, kernel, initial_state=pool, initial_state_indices=torch.tensor([3]),
-                                          cu_seqlens=torch.tensor([0, 100]))
+        gdn.write_anchor_ssm_states(runtime, kernel, initial_state=pool, initial_state_indices=torch.tensor([3]),
+                                    cu_seqlens=torch.tensor([0, 100]))
         assert pool[5].eq(1.0 if runtime is first else -1.0).all()
     assert first.interval_anchors.written["ssm"] == {5} and second.interval_anchors.written["ssm"] == set()
     first.count_evicted_anchor()
@@ -75,44 +77,6 @@ def test_interval_anchor_hooks_only_with_interval_anchors():
     assert TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True, anchor_interval=0)).interval_anchors is None
     anchors = TailReplayRuntime.for_scheduler(TailReplayConfig(enabled=True)).interval_anchors
     assert anchors is not None and anchors.interval == 512
-
-
-@pytest.mark.parametrize("cpu_engine, cpu_torch, disabled, served", [
-    ("1", False, None, True),  # SGLang's CPU engine
-    (None, True, None, True),  # a CPU-only torch: SGLang can run nothing else
-    (None, False, None, False),  # a GPU install missing sgl-kernel fails as stock does
-    ("1", True, "1", False),  # switched off
-])
-def test_cpu_fallback_serves_only_for_sglangs_cpu_engine(monkeypatch, cpu_engine, cpu_torch, disabled, served):
-    from tailreplay_sglang.cpu import fallback
-
-    for name, value in (("SGLANG_USE_CPU_ENGINE", cpu_engine), ("TAILREPLAY_DISABLE_CPU_FALLBACK", disabled)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(fallback, "_cpu_only_torch", lambda: cpu_torch)
-    finder = fallback.CpuFallbackFinder()
-    for name in ("sgl_kernel", "sgl_kernel.mamba", "torchvision.transforms"):
-        assert (finder.find_spec(name) is not None) is served, name
-    assert finder.find_spec("numpy") is None
-
-
-def test_a_failing_shim_leaves_a_stub_module_and_a_warning(monkeypatch):
-    from tailreplay_sglang.cpu import fallback
-
-    def broken(module):
-        raise RuntimeError("torch changed")
-
-    monkeypatch.setattr(fallback, "_fill", broken)
-    module = fallback._FallbackLoader().create_module(types.SimpleNamespace(name="sgl_kernel"))
-    module.__name__ = "sgl_kernel"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fallback._FallbackLoader().exec_module(module)
-    assert any("stubs only" in str(w.message) for w in caught)
-    with pytest.raises(NotImplementedError):
-        module.anything()
 
 
 def test_a_changed_entry_point_class_leaves_sglangs_module_importable():

@@ -1,6 +1,6 @@
-"""The Mamba2 and KDA hybrids served by the real SGLang server on CPU: stock against HF transformers, and
-Tail-Replay's hits against the server's own no-cache prefill. Every test runs once per family (a module-scoped
-parametrized fixture):
+"""The Mamba2 and KDA hybrids served by the real SGLang server on CPU: the model (a cold prefill, a hit from a kept
+state) against HF transformers, and Tail-Replay's hits against the server's own no-cache prefill. Every test runs once
+per family (a module-scoped parametrized fixture):
 
 - `tiny-nemotron-h` (pattern M-M*-MEM*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
   stage between two Mamba2 layers, group 1 starts with an MLP stage and replays a MoE stage (Nemotron-3's: sigmoid
@@ -13,11 +13,11 @@ parametrized fixture):
 All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
 Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
 them on a CPU ("name 'causal_conv1d_fn_triton' is not defined" for Mamba2; KDA's kernels unbound, MLA's fresh
-prefill sent where torch_native cannot serve it, the routed-expert scale dropped): `cpu/mamba2.py`, `cpu/kda.py`
-and `cpu/moe.py` fix that.
+prefill sent where torch_native cannot serve it, the routed-expert scale dropped): the CPU port's `mamba2.py`,
+`kda.py` and `moe.py` (`sglang_cpu_compat`) fix that.
 
 The mechanics servers keep an interval anchor every 128 tokens, taken from the chunked prefill's per-chunk states
-(`anchors.write_mamba2_states` on the SSD scan's grid, `write_ssm_states` for KDA): a fork at 300 of a 600-token
+(`families.mamba2.write_states` on the SSD scan's grid, `write_ssm_states` for KDA): a fork at 300 of a 600-token
 prompt (one prefill chunk) replays [256, 300) from the anchor at 256.
 """
 
@@ -58,10 +58,11 @@ def hf(model_path):
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    """Started together, per family: stock; Tail-Replay replaying every span (mechanics); the paper's zero-init
-    tail (no anchors); Tail-Replay's defaults on SGLang's GPU scheduling (extra_buffer, overlap scheduler)."""
+    """Started together, per family: Tail-Replay replaying every span (mechanics); the paper's zero-init tail (no
+    anchors); Tail-Replay's defaults on SGLang's GPU scheduling (extra_buffer, overlap scheduler). The model itself
+    is checked against HF on the mechanics server: a request after /flush_cache is SGLang's own forward (the plugin
+    only reads it), a hit on the state kept where a request's prefill ended is what a stock hit is."""
     yield from start_servers(tmp_path_factory, {
-        "stock": Spec(model_path, ("--dtype", "float32")),
         "anchored": Spec(model_path, MECHANICS),
         "paper": Spec(model_path, (*MECHANICS, "--tail-replay-exact-budget", "0")),
         "production": Spec(model_path, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
@@ -69,7 +70,7 @@ def servers(model_path, tmp_path_factory):
     })
 
 
-# ---- stock SGLang: the model itself ----
+# ---- the model itself, against HF ----
 
 def assert_greedy_agrees(model, ids, served):
     """The served tokens are HF's greedy ones up to the first near-tie (HF's top two within LOGPROB_TOL, the served
@@ -91,24 +92,31 @@ def prompt_logprobs_at(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
 
 
-def test_stock_matches_hf_greedy_fresh_and_on_its_own_hit(servers, hf):
+def test_matches_hf_greedy_fresh_and_on_a_hit_where_its_prefill_ended(servers, hf):
+    """Fresh prompts (cache flushed: SGLang's forward, the CPU port's Mamba2 / KDA ops), then a hit that starts from
+    the state kept where the 300-token prefill ended (as a stock no_buffer hit does) and replays nothing."""
     model, _ = hf
-    stock = servers["stock"]
+    server = servers["anchored"]
+    flush_cache(server.base_url)
     for n, seed in ((5, 1), (70, 2), (300, 3)):  # within one 64-token chunk, across chunks, across several
         ids = random_ids(n, seed)
-        out = generate(stock, ids, NEW)
+        out = generate(server, ids, NEW)
         assert out["meta_info"]["cached_tokens"] == 0
         assert_greedy_agrees(model, ids, out["output_ids"])
-    longer = ids + random_ids(40, 4)  # stock no_buffer hits where the 300-token request ended
-    out = generate(stock, longer, NEW)
-    assert out["meta_info"]["cached_tokens"] >= 300
+    longer = ids + random_ids(40, 4)
+    out = generate(server, longer, NEW)
+    meta = out["meta_info"]
+    assert meta["cached_tokens"] >= 300 and meta["tail_replay_exact"] is True
+    assert meta["tail_replay_anchor"] == meta["cached_tokens"] and meta["tail_replay_tokens"] == 0, meta
     assert_greedy_agrees(model, longer, out["output_ids"])
 
 
-def test_stock_prompt_logprobs_match_hf(servers, hf):
+def test_prompt_logprobs_match_hf(servers, hf):
     model, _ = hf
     ids = random_ids(200, 5)
-    out = generate(servers["stock"], ids, 1, return_logprob=True, logprob_start_len=0)
+    flush_cache(servers["anchored"].base_url)
+    out = generate(servers["anchored"], ids, 1, return_logprob=True, logprob_start_len=0)
+    assert out["meta_info"]["cached_tokens"] == 0
     reference = prompt_logprobs(model, ids)
     served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
     assert len(served) == len(reference)

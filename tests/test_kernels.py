@@ -159,32 +159,6 @@ def test_triton_kernels_under_interpreter():
 
 
 @triton_runs_here
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hidden", [1, 96, 2560])
-def test_triton_gather_tail_hiddens_equals_index_select(hidden, dtype):
-    store = torch.randn(50, hidden).to(dtype=dtype, device=DEVICE)
-    slots = torch.randint(0, 50, (37,), device=DEVICE)  # repeats allowed: tails of one prefix share slots
-    assert torch.equal(kernels.gather_tail_hiddens(store, slots), kernels.naive_gather_tail_hiddens(store, slots))
-
-
-@triton_runs_here
-def test_triton_gather_tail_hiddens_casts_into_out():
-    store = torch.randn(20, 96).to(dtype=torch.bfloat16, device=DEVICE)
-    slots = torch.tensor([3, 3, 19, 0], device=DEVICE)
-    out = torch.empty(4, 96, device=DEVICE)
-    assert kernels.gather_tail_hiddens(store, slots, out) is out
-    assert torch.equal(out, store[slots].float())
-
-
-@needs_cuda
-def test_triton_gather_tail_hiddens_from_pinned_host_store():
-    store = torch.randn(64, 2560).to(torch.bfloat16).pin_memory()
-    slots = torch.randint(0, 64, (100,), device="cuda")
-    out = kernels.gather_tail_hiddens(store, slots)
-    assert out.is_cuda and torch.equal(out.cpu(), store[slots.cpu()])
-
-
-@triton_runs_here
 @pytest.mark.parametrize("initial", INITIAL)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("lengths,width", [([1], 4), ([2, 3, 1], 4), ([17, 2, 40, 70], 4), ([1, 5, 33], 2),
@@ -351,14 +325,12 @@ def test_sm90_compile_gdn_replay_kernel(dtype, state_only):
 
 
 @not_in_interpreter
-def test_sm90_compile_conv_and_gather_kernels():
+def test_sm90_compile_conv_kernel():
     _compile_for_sm90(kernels.conv.replay_causal_conv1d_kernel,
                       "x:*bf16 weight:*bf16 bias:*bf16 y:*bf16 init:*bf16 conv_states:*bf16 cu_seqlens:*i32 "
                       "slots:*i64 stride_x:i64 stride_w:i64 stride_y:i64 stride_i:i64 stride_i_d:i64 stride_i_w:i64 "
                       "stride_s:i64 stride_s_d:i64 stride_s_w:i64 D:i32",
                       W=4, BW=4, BT=32, BD=128, HAS_BIAS=True)
-    _compile_for_sm90(kernels.gather.gather_tail_hiddens_kernel,
-                      "store:*bf16 slots:*i64 out:*bf16 stride_store:i64 stride_out:i64 D:i32", BD=1024)
 
 
 # ---- torch CPU path ----

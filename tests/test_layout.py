@@ -1,4 +1,7 @@
+import torch
+
 from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
+from tailreplay_sglang.store.hidden_store import TOKEN_ID_BYTES, bytes_per_token
 
 
 def layout(pattern: str) -> HybridLayout:
@@ -9,7 +12,7 @@ def test_qwen35_pattern_groups():
     lay = layout("GGGA" * 3)
     assert [g.recurrent_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6), (8, 9, 10)]
     assert [g.index for g in lay.stored_groups] == [1, 2]
-    assert lay.bytes_per_token(2) == 2 * 8 * 2
+    assert bytes_per_token(lay, torch.bfloat16) == 2 * 8 * 2 + TOKEN_ID_BYTES
 
 
 def test_leading_full_attention_layer_makes_every_group_stored():
@@ -48,7 +51,7 @@ def test_a_vision_language_checkpoint_stores_group_zeros_input_too(tiny_qwen35_v
                 HybridLayout.from_hf_config(AutoConfig.from_pretrained(tiny_qwen35_vl))):
         assert lay.stores_embeddings
         assert [g.index for g in lay.stored_groups] == [0, 1]
-        assert lay.bytes_per_token(4) == 2 * 64 * 4
+        assert bytes_per_token(lay, torch.float32) == 2 * 64 * 4 + TOKEN_ID_BYTES
     assert not HybridLayout.from_model_path(str(tiny_qwen35)).stores_embeddings
 
 

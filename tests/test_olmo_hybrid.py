@@ -8,6 +8,7 @@ import pytest
 
 from helpers import Spec, check_concurrent_hits, check_multi_turn, generate, start_servers
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
+from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -31,11 +32,12 @@ EXACT_FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tai
 
 @pytest.fixture(scope="module")
 def servers(tiny_olmo_hybrid, tmp_path_factory):
-    """The module's servers, started together: stock; Tail-Replay replaying whole prefixes (exact); the defaults
-    (anchored); the paper's zero states and 10 % tail (error ordering)."""
+    """The module's servers, started together: Tail-Replay replaying whole prefixes (exact); the defaults (anchored);
+    the paper's zero states and 10 % tail (error ordering). No stock server: a request on a flushed Tail-Replay
+    server is SGLang's own forward of the model (the plugin only reads it), and a hit from a kept state, which is
+    all a stock hit is, is the anchored server's."""
     paper = ("--enable-tail-replay", "--tail-replay-exact-budget", "0")
     yield from start_servers(tmp_path_factory, {
-        "stock": Spec(tiny_olmo_hybrid),
         "exact": Spec(tiny_olmo_hybrid, EXACT_FLAGS),
         "default": Spec(tiny_olmo_hybrid, ("--enable-tail-replay",)),
         "zero": Spec(tiny_olmo_hybrid, (*paper, "--tail-replay-mode", "zero")),
@@ -43,11 +45,12 @@ def servers(tiny_olmo_hybrid, tmp_path_factory):
     })
 
 
-# ---- stock SGLang (no Tail-Replay): the model itself ----
+# ---- the model itself: a cold prefill (cache flushed) and a hit from a kept state, against HF ----
 
 @pytest.fixture(scope="module")
-def stock(servers):
-    return servers["stock"]
+def cold(servers):
+    """The exact server, its cache flushed by each test: its requests are then SGLang's no-cache forward."""
+    return servers["exact"]
 
 
 def test_hf_reference_uses_negative_eigenvalues(hf_olmo_hybrid):
@@ -56,28 +59,36 @@ def test_hf_reference_uses_negative_eigenvalues(hf_olmo_hybrid):
     assert model.model.layers[0].linear_attn.allow_neg_eigval
 
 
-def test_stock_fresh_prompt_matches_hf_greedy(stock, hf_olmo_hybrid):
+def test_fresh_prompt_matches_hf_greedy(cold, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
+    flush_cache(cold.base_url)
     ids = tok(SYSTEM + " what happened first?").input_ids
-    out = generate(stock, ids, NEW)
+    out = generate(cold, ids, NEW)
     assert out["meta_info"]["cached_tokens"] == 0
     assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-def test_stock_prefix_cache_hit_matches_hf_greedy(stock, hf_olmo_hybrid):
+def test_hit_from_a_kept_state_matches_hf_greedy(servers, hf_olmo_hybrid):
+    """What a stock (no_buffer) hit is: the state kept where the first request's prefill ended, read back from the
+    mamba pool, and the extend after it; here on the anchored server (its request-end or chunk-end anchor)."""
     model, tok = hf_olmo_hybrid
+    srv = servers["default"]
+    flush_cache(srv.base_url)
     base = tok(SYSTEM).input_ids
-    generate(stock, base, max_new_tokens=2)
+    generate(srv, base, max_new_tokens=2)
     extended = base + tok(" who repaired the window?").input_ids
-    out = generate(stock, extended, NEW)
-    assert out["meta_info"]["cached_tokens"] >= len(base) - 1  # stock no_buffer hits at the inserted end
+    out = generate(srv, extended, NEW)
+    assert out["meta_info"]["cached_tokens"] >= len(base) - 1
+    assert out["meta_info"]["tail_replay_exact"] is True
     assert out["output_ids"] == greedy_generate(model, extended, NEW)
 
 
-def test_stock_prompt_logprobs_match_hf(stock, hf_olmo_hybrid):
+def test_prompt_logprobs_match_hf(cold, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
+    flush_cache(cold.base_url)
     ids = tok(SYSTEM + " runs into the forest").input_ids
-    out = generate(stock, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=0)
+    out = generate(cold, ids, max_new_tokens=1, return_logprob=True, logprob_start_len=0)
+    assert out["meta_info"]["cached_tokens"] == 0
     assert max_logprob_error(out, model, ids) < LOGPROB_TOL
 
 
@@ -99,6 +110,7 @@ def _hit(server, model, ids, cached):
 
 def test_tail_replay_full_identical_resend_equals_no_cache(exact, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
+    flush_cache(exact.base_url)
     ids = tok(SYSTEM + " what happened first?").input_ids
     assert generate(exact, ids, NEW)["meta_info"]["cached_tokens"] == 0
     _hit(exact, model, ids, len(ids) - 1)  # SGLang caps a match at input_len - 1

@@ -1,6 +1,6 @@
-"""PendingReplays (tailreplay_sglang/cache/pending.py): a hit waits here from prepare_for_extend to its batch's forward."""
+"""PendingReplays (tailreplay_sglang/cache/request.py): a hit waits here from prepare_for_extend to its batch's forward."""
 
-from tailreplay_sglang.cache.pending import Match, PendingReplays
+from tailreplay_sglang.cache.request import Match, PendingReplays
 
 
 def test_take_returns_rows_whose_prefix_is_the_match():

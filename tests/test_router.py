@@ -1,10 +1,11 @@
 """Tail-Replay workers behind the real `sglang-router` (pinned in requirements/): with cache-aware routing, requests
-that share a prefix reach the worker holding it and hit; round-robin scatters them."""
+that share a prefix reach the worker holding it and hit; round-robin scatters them. The workers are two of the
+session's shared tiny Qwen3.5 servers (conftest.py): the plugin's defaults (anchored replay) and the exact one
+(whole-prefix replay); either hits a prefix it holds and misses one it does not."""
 
 import pytest
 import requests
 
-from helpers import Spec, start_servers
 from tailreplay_eval.server import RouterProcess, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.server
@@ -18,11 +19,9 @@ QUESTIONS = [" what happened first?", " who was there?", " why did it matter?"]
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_qwen35, tmp_path_factory):
-    """Two Tail-Replay workers, started together."""
-    specs = {f"worker{i}": Spec(tiny_qwen35, ("--enable-tail-replay",)) for i in range(2)}
-    for servers in start_servers(tmp_path_factory, specs):
-        yield list(servers.values())
+def workers(anchored_qwen35_server, exact_tail_replay_server):
+    """Two Tail-Replay workers."""
+    return [anchored_qwen35_server, exact_tail_replay_server]
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,9 @@ def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf_qwe
 
 @pytest.mark.parametrize("name", ["tp", "dp"])
 def test_each_rank_runs_on_its_own_core(name, servers):
-    """SGLang applies `SGLANG_CPU_OMP_THREADS_BIND` only through an AMX kernel; the CPU plugin applies it with torch
-    (cpu/threads.py). Unbound, two ranks on two cores run four spinning OpenMP threads and prefill ~10x slower."""
+    """SGLang applies `SGLANG_CPU_OMP_THREADS_BIND` only through an AMX kernel; the CPU port applies it with torch
+    (sglang_cpu_compat/threads.py). Unbound, two ranks on two cores run four spinning OpenMP threads and prefill ~10x
+    slower."""
     server = servers[name]
     schedulers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                   if "scheduler" in p.name()]

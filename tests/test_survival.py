@@ -1,4 +1,4 @@
-"""The survival indicator of a zero-init tail (replay.tail_log_survival) and the anchor offsets (anchors.offsets)."""
+"""The survival indicator of a zero-init tail (families.base.tail_log_survival) and the anchor offsets (anchors.offsets)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tailreplay_sglang.cache.anchors import offsets
 from tailreplay_sglang.ops.gdn import gdn_gating
-from tailreplay_sglang.replay import ReplayBatch, tail_log_survival
+from tailreplay_sglang.families.base import ReplayBatch, tail_log_survival
 
 
 def test_tail_log_survival_is_the_largest_headwise_sum_of_log_gates_per_tail():

@@ -5,12 +5,14 @@ matched prefix, so a hit must reproduce the no-cache computation (HF transformer
 and its prompt logprobs within float32 tolerance. That pins capture, layout, replay and the hand-off to the extend.
 """
 
+import math
+
 import pytest
 import requests
 from transformers import AutoTokenizer
 
-from helpers import (EXACT_FLAGS, Spec, check_concurrent_hits, check_multi_turn, generate, run_forked_program,
-                     start_servers)
+from helpers import (EXACT_FLAGS, Spec, check_concurrent_hits, check_multi_turn, generate, random_ids,
+                     run_forked_program, start_servers)
 from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -29,21 +31,30 @@ def server(exact_tail_replay_server):
     return exact_tail_replay_server
 
 
+# The paper's ratio tail, clamped: k = clamp(ceil(RATIO * m), MIN_TAIL, MAX_TAIL) for a hit of m tokens.
+RATIO, MIN_TAIL, MAX_TAIL = 0.1, 8, 64
+
+
+def ratio_tail(matched: int) -> int:
+    return min(max(math.ceil(RATIO * matched), MIN_TAIL), MAX_TAIL, matched)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
     """The module's own servers (beside the session's exact one), started together:
     - host_tier / float8: the exact flags with the host hidden tier (serialized loads) / float8 hiddens;
-    - ratio: the paper's tail clamped to [8, 12] tokens, 32-token prefill chunks, a 768-token KV pool;
-    - zero / r=0.1: the paper's zero states and a 10 % tail (error ordering);
+    - ratio: the paper's 10 % tail clamped to [MIN_TAIL, MAX_TAIL] tokens, 32-token prefill chunks, a 768-token KV
+      pool (the clamp, chunked extends, eviction, and the r = 0.1 arm of the error ordering);
+    - zero: the paper's zero states (the error ordering);
     - qwen3next: the exact flags on Qwen3-Next."""
     yield from start_servers(tmp_path_factory, {
         "host_tier": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-tier", "host", "--tail-replay-h2d", "ser")),
         "float8": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-dtype", "float8_e4m3fn")),
-        "ratio": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", "0.25", "--tail-replay-min-tokens", "8",
-                                    "--tail-replay-max-tokens", "12", "--chunked-prefill-size", "32"),
+        "ratio": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", str(RATIO), "--tail-replay-min-tokens",
+                                    str(MIN_TAIL), "--tail-replay-max-tokens", str(MAX_TAIL),
+                                    "--chunked-prefill-size", "32"),
                       kwargs={"max_total_tokens": 768}),
         "zero": Spec(tiny_qwen35, (*PAPER, "--tail-replay-mode", "zero")),
-        "r=0.1": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", "0.1", "--tail-replay-min-tokens", "1")),
         "qwen3next": Spec(tiny_qwen3next, EXACT_FLAGS),
     })
 
@@ -128,18 +139,26 @@ def test_server_keeps_serving_after_flush_and_many_hits(server, hf_qwen35):
     assert generate(server, ids, max_new_tokens=2)["meta_info"]["cached_tokens"] == 0
 
 
-def test_meta_info_and_metrics_report_the_replay(server, hf_qwen35):
-    _, tok = hf_qwen35
-    flush(server)
-    ids = tok(SYSTEM + " visibility").input_ids
-    miss, hit = generate(server, ids, max_new_tokens=2), generate(server, ids, max_new_tokens=2)
-    assert miss["meta_info"]["tail_replay_tokens"] == 0
-    assert hit["meta_info"]["tail_replay_tokens"] == hit["meta_info"]["cached_tokens"] == len(ids) - 1  # ratio 1
-    assert hit["meta_info"]["tail_replay_ms"] > 0
+def replayed_total(server) -> float:
     metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
     replayed = [float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("sglang:tail_replay_tokens_total")]
-    assert replayed and replayed[0] >= len(ids) - 1
+    assert len(replayed) == 1, replayed
+    return replayed[0]
+
+
+def test_meta_info_and_metrics_report_the_replay(server, hf_qwen35):
+    """The counter is the session's (the server is shared): its increase over this test's two requests."""
+    _, tok = hf_qwen35
+    flush(server)
+    ids = tok(SYSTEM + " visibility").input_ids
+    before = replayed_total(server)
+    miss = generate(server, ids, max_new_tokens=2)
+    assert miss["meta_info"]["tail_replay_tokens"] == 0 and replayed_total(server) == before
+    hit = generate(server, ids, max_new_tokens=2)
+    assert hit["meta_info"]["tail_replay_tokens"] == hit["meta_info"]["cached_tokens"] == len(ids) - 1  # ratio 1
+    assert hit["meta_info"]["tail_replay_ms"] > 0
+    assert replayed_total(server) - before == len(ids) - 1
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +226,16 @@ def ratio_server(servers):
     return servers["ratio"]
 
 
-def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server, hf_qwen35):
-    """k = clamp(ceil(r*m), min, max); with a 32-token prefill chunk the extend after the hit spans several chunks
-    and only the first one replays (the others continue the request's live state)."""
-    _, tok = hf_qwen35
-    base = tok(SYSTEM).input_ids
+def test_ratio_mode_replays_the_clamped_tail_and_chunked_prefill_continues(ratio_server):
+    """k = clamp(ceil(r*m), min, max): at the minimum, in between and at the maximum. With a 32-token prefill chunk
+    the extend after the hit spans several chunks and only the first one replays (the others continue the
+    request's live state). Deepest cut first: each new branch may evict the least recently used end of the tree."""
+    flush(ratio_server)
+    base = random_ids(660, seed=7)
     generate(ratio_server, base, max_new_tokens=1)
-    for cut, expected in ((20, 8), (40, 10), (len(base), 12)):
-        ids = base[:cut] + tok(" a long new question that needs more than one prefill chunk of thirty two tokens, "
-                               "so the extend is chunked after the hit").input_ids
+    for cut, expected in ((650, MAX_TAIL), (305, 31), (20, MIN_TAIL)):
+        assert ratio_tail(cut) == expected
+        ids = base[:cut] + random_ids(40, seed=cut)  # a new question longer than one prefill chunk
         out = generate(ratio_server, ids, max_new_tokens=3)
         assert out["meta_info"]["cached_tokens"] == cut
         assert out["meta_info"]["tail_replay_tokens"] == expected
@@ -283,7 +303,7 @@ def test_eviction_under_kv_pressure_and_aborted_requests_lose_nothing(ratio_serv
     generate(ratio_server, ids, max_new_tokens=1)
     out = generate(ratio_server, ids, max_new_tokens=2)
     assert out["meta_info"]["cached_tokens"] == len(ids) - 1
-    assert out["meta_info"]["tail_replay_tokens"] == 12
+    assert out["meta_info"]["tail_replay_tokens"] == ratio_tail(len(ids) - 1)
     assert requests.get(f"{ratio_server.base_url}/health", timeout=30).status_code == 200
 
 
@@ -318,16 +338,18 @@ def _suffix_logprob_error(server, model, ids, start) -> float:
 
 def test_error_ordering_zero_above_ratio_above_full(server, servers, hf_qwen35):
     """DESIGN invariant on a model whose GDN heads remember for tens to hundreds of tokens (the builder's gates):
-    error(zero states) > error(r = 0.1) > error(r = 1) ~ 0, on the suffix after a 560-token hit."""
+    error(zero states) > error(r = 0.1) > error(r = 1) ~ 0, on the suffix after a 560-token hit (r = 0.1: the ratio
+    server, whose clamp leaves this hit's tail alone)."""
     import random
 
     model, _ = hf_qwen35
     rng = random.Random(0)
     ids, start = [rng.randrange(3, 500) for _ in range(600)], 560
+    assert MIN_TAIL < ratio_tail(start) < MAX_TAIL
     errors = {}
-    for name in ("zero", "r=0.1"):
-        flush(servers[name])
-        errors[name] = _suffix_logprob_error(servers[name], model, ids, start)
+    for name, srv in (("zero", servers["zero"]), ("r=0.1", servers["ratio"])):
+        flush(srv)
+        errors[name] = _suffix_logprob_error(srv, model, ids, start)
     flush(server)
     errors["full"] = _suffix_logprob_error(server, model, ids, start)
     assert errors["zero"] > 2 * errors["r=0.1"] > 2 * errors["full"], errors

@@ -1,25 +1,23 @@
 """Interval anchors: the recurrent state every N tokens of a prefill (`--tail-replay-anchor-interval N`), kept in
 the radix tree like the ones SGLang keeps where a request or a prefill chunk ends.
 
-The states come from the chunked GDN prefill, which computes the state entering every 64-token chunk anyway and
-returns them all (`h`, fla's layout, on every device: fla's Triton kernel on a GPU, the fallback's torch op on CPU;
-SGLang's extra_buffer tracking reads the same tensor). Mamba2 models (`write_mamba2_states`): the SSD scan returns
-the states on one chunk grid over the packed batch, so an anchor is taken where its offset falls on that grid (every
-offset of a request prefilled alone, N being a multiple of the scan's chunk), its conv state from the mixer's input
-rows before it. Before a prefill forward, each exact request gets a mamba slot
-per anchor at extend start + N, + 2N, ... (short of the extend's end, which the chunk-end anchor covers):
-`IntervalAnchors.plan` makes the plan (`by_slot`). During the forward the runtime's hooks on SGLang's two prefill
-call sites fill the slots, layer by layer: the conv state at an offset is the width - 1 inputs before it, taken from
-the conv's own input before the conv runs (`write_conv_states`); the SSM state is `h` at the offset's chunk, taken
-after the chunk kernel ran (`write_ssm_states`). N is a multiple of 64, so every offset is on the chunk grid. Each
-slot is marked written by both (`written`); only a written anchor is ever inserted, so a prefill kernel that bypasses
-the hooks costs anchors, never correctness. Prefill chunks keep their size.
-A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend, `h`'s first chunk):
-together with the anchor it replayed from (within the budget) and the ones every N tokens after it, every point of
-its path has an anchor at most max(budget, N) tokens back, and the next request branching at the same point replays
-nothing. Once SGLang has put the request's KV into the tree (`checkpoint_into_tree`), each anchor is inserted at its
-depth, splitting the node there; an anchor the tree cannot take (a state already there, the request not inserted, a
-depth off the page grid) is freed.
+The states come from what the chunked prefill computes anyway: the state entering every chunk. Before a prefill
+forward, each exact request gets a mamba slot per anchor at extend start + N, + 2N, ... (short of the extend's end,
+which the chunk-end anchor covers): `IntervalAnchors.plan` makes the plan (`by_slot`). During the forward the
+family's hooks on SGLang's prefill call sites fill the slots, layer by layer (`families/`); the writers shared by the
+families whose prefill returns the state entering every 64-token chunk of each sequence (`h`) are here: the conv
+state at an offset is the width - 1 inputs before it, taken from the conv's own input before the conv runs
+(`write_conv_states`); the SSM state is `h` at the offset's chunk, taken after the chunk kernel ran
+(`write_ssm_states`). Each slot is marked written by both halves (`written`); only a written anchor is ever
+inserted, so a prefill kernel that bypasses the hooks costs anchors, never correctness. Prefill chunks keep their
+size.
+
+A hit that replayed also keeps the state it rebuilt, at its match end (offset 0 of its extend), where the family's
+prefill holds it (`Family.anchor_at_replay_end`): together with the anchor it replayed from (within the budget) and
+the ones every N tokens after it, every point of its path has an anchor at most max(budget, N) tokens back, and the
+next request branching at the same point replays nothing. Once SGLang has put the request's KV into the tree
+(`checkpoint_into_tree`), each anchor is inserted at its depth, splitting the node there; an anchor the tree cannot
+take (a state already there, the request not inserted, a depth off the page grid) is freed.
 """
 
 import contextlib
@@ -27,11 +25,10 @@ import logging
 
 import torch
 
+from tailreplay_sglang.cache.request import is_exact, peek, state_of
 from tailreplay_sglang.config import GDN_CHUNK  # the chunk of `h`: fla's chunk kernels and ops/gdn.CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
-
-ATTR = "tail_replay_interval_anchors"  # on a Req: [(depth, mamba slot)] taken in its last prefill forward
 
 
 def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]:
@@ -86,12 +83,12 @@ class IntervalAnchors:
                 self.written["conv"].add(dst)
 
     def write_ssm_states(self, h, ssm_states, cache_indices, cu_seqlens) -> None:
-        """After SGLang's chunked GDN prefill: each planned anchor's SSM state is `h` at its chunk (h: [1, NT, HV, V,
+        """After SGLang's chunked prefill: each planned anchor's SSM state is `h` at its chunk (h: [1, NT, HV, V,
         K], the state entering each 64-token chunk of each sequence, sequences in order)."""
         if not self.by_slot:
             return
         if h is None:
-            raise RuntimeError("Tail-Replay interval anchors need the chunked GDN prefill's per-chunk states (h)")
+            raise RuntimeError("Tail-Replay interval anchors need the chunked prefill's per-chunk states (h)")
         bounds, slots, first_chunk = cu_seqlens.tolist(), cache_indices.tolist(), 0
         for i, slot in enumerate(slots):
             for offset, dst in self.by_slot.get(slot, ()):
@@ -100,32 +97,10 @@ class IntervalAnchors:
                 self.written["ssm"].add(dst)
             first_chunk += -(-(bounds[i + 1] - bounds[i]) // GDN_CHUNK)
 
-    def write_mamba2_states(self, mixer, hidden_states, layer_cache, metadata, chunk_states) -> None:
-        """After one Mamba2 mixer's prefill (SGLang's `MambaMixer2.forward`): each planned anchor whose offset lies
-        on the scan's chunk grid over the packed batch gets its SSM state from the per-chunk states the scan
-        returned (`chunk_states[0, position // chunk]`, the grid SGLang's extra_buffer reads too) and its conv
-        state from the width - 1 mixer inputs before it, put through the mixer's own input projection again (a few
-        rows). Off the grid (a sequence not starting on it, in a batched prefill) the anchor is not written, so it
-        is freed at commit: fewer anchors, never a wrong one."""
-        if not self.by_slot or chunk_states is None or metadata.num_prefills == 0:
-            return
-        n = metadata.num_prefills
-        chunk = metadata.mixed_metadata.chunk_size
-        bounds, slots = metadata.query_start_loc[:n + 1].tolist(), metadata.mamba_cache_indices[:n].tolist()
-        conv, ssm = layer_cache.conv[0], layer_cache.temporal
-        width_1 = conv.shape[-1]
-        for i, slot in enumerate(slots):
-            for offset, dst in self.by_slot.get(slot, ()):
-                position = bounds[i] + offset
-                if position % chunk or offset < width_1:
-                    continue
-                ssm[dst] = chunk_states[0, position // chunk].to(ssm.dtype)
-                projected, _ = mixer.in_proj(hidden_states[position - width_1:position])
-                tp = mixer.tp_size
-                window = projected[:, mixer.intermediate_size // tp:(mixer.intermediate_size + mixer.conv_dim) // tp]
-                conv[dst] = window.transpose(0, 1).to(conv.dtype)
-                self.written["conv"].add(dst)
-                self.written["ssm"].add(dst)
+    def mark_written(self, slot: int) -> None:
+        """Both halves of the anchor in this physical slot are written (a family that writes them together)."""
+        for slots in self.written.values():
+            slots.add(slot)
 
     def _take_written(self, physical: int) -> bool:
         """Whether both halves of the anchor in this slot were written; forgets the slot either way."""
@@ -134,7 +109,7 @@ class IntervalAnchors:
             slots.discard(physical)
         return written
 
-    def plan(self, reqs, pool, tree_cache, is_exact, replayed_hits) -> None:
+    def plan(self, reqs, pool, tree_cache, replayed_hits) -> None:
         """Before a prefill forward (scheduler side): slots for the anchors of every exact request, and where the ops
         write them. Slots come from the pool, evicting the least recently used anchors if it is short, but never
         the ones this batch still needs (`spare_slots`): anchors that find no slot are skipped.
@@ -159,7 +134,7 @@ class IntervalAnchors:
             slots = pool.mamba_allocator.alloc(len(cuts))
             if slots is None:
                 continue
-            setattr(req, ATTR, [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)])
+            state_of(req).interval_anchors = [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)]
             physical = pool.translate_mamba_indices(slots)
             source = int(pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(1))[0])
             by_slot[source] = [(off, int(dst)) for off, dst in zip(cuts, physical)]
@@ -168,10 +143,10 @@ class IntervalAnchors:
     def commit(self, cache, req) -> None:
         """After SGLang inserted [0, cache_protected_len) of the request: insert each anchor within it at its depth;
         free the ones the tree does not take."""
-        anchors = getattr(req, ATTR, None)
-        if not anchors:
+        state = peek(req)
+        if state is None or not state.interval_anchors:
             return
-        setattr(req, ATTR, None)
+        anchors, state.interval_anchors = state.interval_anchors, []
         pool = cache.req_to_token_pool
         inserted = req.kv.cache_protected_len if req.kv.req_pool_idx is not None else 0
         for depth, slot in anchors:
@@ -179,19 +154,20 @@ class IntervalAnchors:
             if not written and not self.warned_unwritten:
                 self.warned_unwritten = True
                 logger.warning("Tail-Replay: interval anchors were planned but the prefill did not pass through the "
-                               "hooked conv and chunked GDN (another --linear-attn-prefill-backend than triton?): "
+                               "hooked prefill kernels (another --linear-attn-prefill-backend than triton?): "
                                "they are dropped; only request-end, chunk-end and track anchors are kept")
             if not written or depth > inserted or not insert_state_at_depth(cache, req, depth, slot):
                 pool.mamba_allocator.free(slot)
 
     def drop(self, pool, req) -> None:
         """Free the slots of anchors still pending on a request (released, or never inserted)."""
-        anchors = getattr(req, ATTR, None)
-        if anchors:
-            setattr(req, ATTR, None)
-            for _, slot in anchors:
-                self._take_written(int(pool.translate_mamba_indices(slot)[0]))
-                pool.mamba_allocator.free(slot)
+        state = peek(req)
+        if state is None:
+            return
+        anchors, state.interval_anchors = state.interval_anchors, []
+        for _, slot in anchors:
+            self._take_written(int(pool.translate_mamba_indices(slot)[0]))
+            pool.mamba_allocator.free(slot)
 
 
 def insert_state_at_depth(cache, req, depth: int, slot) -> bool:

@@ -32,25 +32,11 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURefreshPhase
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
-from tailreplay_sglang.layout import SUPPORTED
 from tailreplay_sglang.cache.anchors import insert_state_at_depth
-from tailreplay_sglang.cache.pending import Match
+from tailreplay_sglang.cache.request import STATE_DEPTH_ATTR, TAINT_ATTR, Match, is_exact, state_of
+from tailreplay_sglang.layout import SUPPORTED
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
-MATCH_ATTR = "tail_replay_match"  # a `Match` on a Req whose GDN states must be rebuilt before its extend
-# False on a Req whose state came from a zero-init tail: it donates no anchor. The same attribute is the request's
-# `tail_replay_exact` in meta_info (visibility.py).
-EXACT_ATTR = "tail_replay_exact"
-# On InsertParams under extra_buffer: (depth, slot) of an exact request's track-point state, inserted after its KV.
-STATE_DEPTH_ATTR = "tail_replay_state_at"
-# True on a tree node whose KV (and hiddens) an approximate request computed; on InsertParams, from such a request.
-TAINT_ATTR = "tail_replay_tainted"
-
-
-def is_exact(req) -> bool:
-    """Whether the request's state is exact. A request that never passed our match (one that brings its own state:
-    a PD-decode transfer, a session continuation) is not known to be exact, so it donates no anchor."""
-    return getattr(req, EXACT_ATTR, False)
 
 
 def is_tainted(node) -> bool:
@@ -116,8 +102,8 @@ class TailReplayMambaComponent(MambaComponent):
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
-        setattr(req, MATCH_ATTR, match)
-        setattr(req, EXACT_ATTR, match.exact)  # what later checkpoints of the request read; also in meta_info
+        state = state_of(req)
+        state.match, state.exact = match, match.exact  # later checkpoints of the request read `exact`
         return result
 
     def _match_up_to(self, result, anchor, depth: int):
@@ -186,7 +172,7 @@ class TailReplayMambaComponent(MambaComponent):
             insert_result = self._insert_tracked_state(req, insert_result, insert_params)
             super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
             if not is_finished and is_tainted(self.tree_core.node_by_id(req.last_node)):
-                setattr(req, EXACT_ATTR, False)  # its row now reads approximate KV (de-duplicated into the tree)
+                state_of(req).exact = False  # its row now reads approximate KV (de-duplicated into the tree)
             return
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)

@@ -42,9 +42,9 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader, sharded_
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix, make_layers, set_weight_attrs
 
+from tailreplay_sglang.layout import FULL
 from tailreplay_sglang.models.olmo_hybrid_gdn import beta_scale_of
 
-FULL = "full_attention"
 # transformers' OlmoHybridRMSNormGated is built with eps=1e-5 whatever rms_norm_eps says (fla's default).
 GATED_NORM_EPS = 1e-5
 

@@ -3,7 +3,7 @@ config (the same properties SGLang's own `Qwen3NextConfig` has)."""
 
 from transformers.models.olmo_hybrid.configuration_olmo_hybrid import OlmoHybridConfig
 
-FULL, LINEAR = "full_attention", "linear_attention"
+from tailreplay_sglang.layout import FULL, LINEAR
 
 
 class OlmoHybridSGLangConfig(OlmoHybridConfig):

@@ -9,7 +9,7 @@ All math runs in float32; states are written back in the pool's dtype.
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64
+from tailreplay_sglang.config import GDN_CHUNK as CHUNK_SIZE
 
 
 def gdn_gating(A_log, a, b, dt_bias, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,

@@ -19,14 +19,14 @@ import logging
 
 import torch
 
-from tailreplay_sglang.store.codec import codec_for
+from tailreplay_sglang.config import HIDDEN_TIERS
 from tailreplay_sglang.layout import HybridLayout
+from tailreplay_sglang.store.codec import codec_for
 from tailreplay_sglang.store.transfer import DeviceToHostWriteBack, HostToDevice, pin
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ID_BYTES = 8  # int64, what embeddings take
-TIERS = ("device", "host")
 TOKENS = "tokens"  # fetch key of the tail's token ids (group 0's input); stored groups use their first layer
 
 
@@ -41,8 +41,8 @@ def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype)
 
 class HiddenStore:
     def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device"):
-        if tier not in TIERS:
-            raise ValueError(f"hidden store tier must be one of {TIERS}, got {tier!r}")
+        if tier not in HIDDEN_TIERS:
+            raise ValueError(f"hidden store tier must be one of {HIDDEN_TIERS}, got {tier!r}")
         self.layout, self.tier, self.device = layout, tier, torch.device(device)
         self._row = {g.first_layer: i for i, g in enumerate(layout.stored_groups)}
         self.codec = codec_for(dtype)

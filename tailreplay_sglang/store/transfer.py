@@ -31,7 +31,7 @@ import collections
 
 import torch
 
-MODES = ("ser", "ovl")
+from tailreplay_sglang.config import H2D_MODES
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,8 @@ class HostToDevice:
     """Copies host tensors to `device`, serialized ("ser") or overlapped with compute ("ovl"); see the module doc."""
 
     def __init__(self, device, mode: str = "ovl"):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in H2D_MODES:
+            raise ValueError(f"mode must be one of {H2D_MODES}, got {mode!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", so device checks compare
             self.device = torch.device("cuda", torch.cuda.current_device())

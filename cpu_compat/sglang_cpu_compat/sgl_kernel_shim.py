@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from tailreplay_sglang.cpu import fused
+from sglang_cpu_compat import fused
 from tailreplay_sglang.ops import conv, gdn
 
 _LIB = "sgl_kernel"
@@ -28,8 +28,8 @@ class UnavailableKernel:
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(
-            f"sgl_kernel.{self.name} is a compiled GPU/AMX kernel; tailreplay_sglang's CPU fallback provides only "
-            f"the ops needed to serve Qwen3.5 / Qwen3-Next on CPU (see tailreplay_sglang/cpu/sgl_kernel_shim.py)"
+            f"sgl_kernel.{self.name} is a compiled GPU/AMX kernel; sglang_cpu_compat's CPU fallback provides only "
+            f"the ops needed to serve Qwen3.5 / Qwen3-Next on CPU (see sglang_cpu_compat/sgl_kernel_shim.py)"
         )
 
     def __repr__(self):

@@ -1,13 +1,14 @@
-"""KDA's ops for SGLang's CPU engine (issue 27 item 1): Kimi Linear's `TritonKDAKernel` imports its prefill
+"""KDA's ops for SGLang's CPU engine: Kimi Linear's `TritonKDAKernel` imports its prefill
 (`chunk_kda`) and decode (`fused_sigmoid_gating_delta_rule_update`) kernels only off CPU, so on a CPU the first KDA
 forward fails on an unbound name; its prefill conv is the Triton `causal_conv1d_fn` on every device.
 
-`install` (a `call` row of `hooks.CPU_ENGINE`) binds the two kernel names to torch bodies (`ops.kda`) with the
+`install` (a `call` row of `hooks.CPU_ENGINE`) binds the two kernel names to torch bodies (`ops/kda.py`) with the
 argument names and return shapes of SGLang's kernels; the Triton conv is a `replace` row at its defining module
 (`causal_conv1d_fn`: the GDN path's CPU conv in the Triton kernel's argument order).
 """
 
-from tailreplay_sglang.ops import conv, kda
+from sglang_cpu_compat.ops import kda
+from tailreplay_sglang.ops import conv
 
 KERNEL_MODULE = "sglang.srt.layers.attention.linear.kernels.kda_triton"
 

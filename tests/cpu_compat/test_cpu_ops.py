@@ -1,4 +1,5 @@
-"""CPU ops (tailreplay_sglang.cpu) against float64 token-by-token references, float32 relative error < 1e-5."""
+"""The CPU port's ops (sglang_cpu_compat) and the plugin's torch ops they build on (tailreplay_sglang.ops) against
+float64 token-by-token references, float32 relative error < 1e-5."""
 
 import os
 import subprocess
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
-from tailreplay_sglang.cpu import fused, mamba2
-from tailreplay_sglang.cpu import kda as cpu_kda
-from tailreplay_sglang.ops import conv, gdn, kda, naive
+from sglang_cpu_compat import fused, mamba2
+from sglang_cpu_compat import kda as cpu_kda
+from sglang_cpu_compat.ops import kda
+from tailreplay_sglang.ops import conv, gdn, naive
 
 TOL = 1e-5
 
@@ -290,7 +292,7 @@ def test_cpu_gated_norm_replacement_matches_formula():
     """The replacement forward of SGLang's gated RMSNorm module computes norm(x) * w * silu(z)."""
     from types import SimpleNamespace
 
-    from tailreplay_sglang.cpu.triton_branches import rmsnorm_gated_forward
+    from sglang_cpu_compat.triton_branches import rmsnorm_gated_forward
 
     module = SimpleNamespace(weight=torch.randn(16), eps=1e-6, activation="swish", group_size=None,
                              norm_before_gate=True)
@@ -325,7 +327,7 @@ def test_chunk_states_are_the_states_entering_each_64_token_chunk():
 def test_track_copy_moves_tracked_rows_states_into_their_track_slots():
     """The torch body of SGLang's Triton track kernel: rows with the mask set copy conv and SSM states from their
     live slot to their track slot, in every layer; other slots are untouched."""
-    from tailreplay_sglang.cpu import extra_buffer
+    from sglang_cpu_compat import extra_buffer
 
     conv_pool, ssm_pool = torch.randn(3, 10, 6, 3), torch.randn(3, 10, 2, 4, 4)
     conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
@@ -380,13 +382,14 @@ def test_interval_anchor_states_are_the_states_after_each_offset():
 
 
 def test_mamba2_interval_anchors_come_from_the_scans_chunk_grid():
-    """Mamba2 (`IntervalAnchors.write_mamba2_states`): a sequence starting on the packed batch's 32-token chunk grid
+    """Mamba2 (`families.mamba2.write_states`): a sequence starting on the packed batch's 32-token chunk grid
     (the second, after 64 tokens) gets its anchors at 32 and 64 tokens in: SSM state = the float64 recurrence after
     them, conv state = the x | B | C inputs of the 3 tokens before them through the mixer's own input projection.
     The third sequence starts off the grid: its anchor is not written (so it is freed at commit, never wrong)."""
     from types import SimpleNamespace
 
     from tailreplay_sglang.cache.anchors import IntervalAnchors
+    from tailreplay_sglang.families.mamba2 import write_states
 
     lengths, chunk, H, P, N, G = [64, 100, 70], 32, 2, 4, 8, 1
     x, dt, dt_bias, A, B, C, D, pool, idx, cu = _ssd_inputs(lengths, H, P, N, G, slots=16)
@@ -403,7 +406,7 @@ def test_mamba2_interval_anchors_come_from_the_scans_chunk_grid():
     anchors.by_slot = {int(idx[1]): [(32, spare[0]), (64, spare[1])], int(idx[2]): [(32, spare[2])]}
     initial = pool[idx].clone()
     _, chunks, _, _ = _scan(x, dt, dt_bias, A, B, C, D, initial, cu, chunk)
-    anchors.write_mamba2_states(mixer, h, cache, metadata, chunks)
+    write_states(anchors, mixer, h, cache, metadata, chunks)
 
     for offset, dst in anchors.by_slot[int(idx[1])]:
         position = 64 + offset
@@ -416,7 +419,7 @@ def test_mamba2_interval_anchors_come_from_the_scans_chunk_grid():
 
 
 def test_thread_bind_strings_parse_like_linux_cpulists():
-    from tailreplay_sglang.cpu.threads import parse_cpu_list
+    from sglang_cpu_compat.threads import parse_cpu_list
 
     assert parse_cpu_list("0") == [0]
     assert parse_cpu_list("0-3,8") == [0, 1, 2, 3, 8]
@@ -425,7 +428,7 @@ def test_thread_bind_strings_parse_like_linux_cpulists():
         parse_cpu_list("")
 
 
-# ---- Mamba2 (SSD): cpu.mamba2's SGLang-signature wrappers against the float64 recurrence (naive.naive_ssd) ----
+# ---- Mamba2 (SSD): mamba2's SGLang-signature wrappers against the float64 recurrence (naive.naive_ssd) ----
 
 # (lengths of the packed sequences, chunk size, heads H, head dim P, state size N, groups G)
 SSD_CASES = [
@@ -612,7 +615,7 @@ def test_mamba2_decode_continues_chunked_prefill():
 
 MAMBA2_INSTALL_CHECK = """
 import sglang.srt.layers.attention.mamba.mamba as mixer
-from tailreplay_sglang.cpu import mamba2
+from sglang_cpu_compat import mamba2
 mamba2.install()
 assert mixer.__name__ == mamba2.MIXER_MODULE
 for name, fn in [("causal_conv1d_fn", mamba2.causal_conv1d_fn), ("causal_conv1d_fn_triton", mamba2.causal_conv1d_fn),
@@ -627,7 +630,7 @@ print("ok")
 
 def test_mamba2_install_binds_the_mixer_kernel_names_under_the_cpu_engine():
     """In a fresh SGLANG_USE_CPU_ENGINE=1 interpreter (SGLang's mixer module binds none of the conv names there and
-    its Triton scan cannot run), `install` binds all six names the mixer calls to cpu.mamba2."""
+    its Triton scan cannot run), `install` binds all six names the mixer calls to sglang_cpu_compat.mamba2."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     out = subprocess.run([sys.executable, "-c", MAMBA2_INSTALL_CHECK], capture_output=True, text=True, timeout=180,
                          env=env)
@@ -635,7 +638,7 @@ def test_mamba2_install_binds_the_mixer_kernel_names_under_the_cpu_engine():
     assert out.stdout.strip().endswith("ok")
 
 
-# ---- KDA (Kimi Linear): ops.kda and cpu.kda's SGLang-signature wrappers against the float64 recurrence ----
+# ---- KDA (Kimi Linear): ops.kda and kda's SGLang-signature wrappers against the float64 recurrence ----
 
 # (lengths of the packed sequences, heads H, K, V)
 KDA_CASES = [([5], 2, 16, 16), ([64], 3, 16, 8), ([1, 130, 64, 65], 2, 32, 16), ([200, 3], 4, 8, 24)]
@@ -735,7 +738,7 @@ def test_chunk_kda_track_state_snapshots_the_chunk_sglang_asks_for():
 
 KDA_INSTALL_CHECK = """
 import sglang.srt.layers.attention.linear.kernels.kda_triton as kernels
-from tailreplay_sglang.cpu import kda
+from sglang_cpu_compat import kda
 kda.install()
 assert kernels.__name__ == kda.KERNEL_MODULE
 assert kernels.chunk_kda is kda.chunk_kda

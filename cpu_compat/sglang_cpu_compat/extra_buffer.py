@@ -1,4 +1,4 @@
-"""What SGLang's `extra_buffer` mamba strategy needs from the CPU engine, in torch (issue 28 item 1).
+"""What SGLang's `extra_buffer` mamba strategy needs from the CPU engine, in torch.
 
 SGLang 0.5.23 resolves `--mamba-radix-cache-strategy auto` to `extra_buffer` on every GPU (the overlap scheduler is
 on by default there), and refuses it on a CPU: `arg_groups/mamba_hook._platform_supports_mamba_cache_extra_buffer`
@@ -8,7 +8,7 @@ it on a CPU without AMX:
 - the platform answer (`platform_supports_extra_buffer`);
 - per-chunk states from the chunked GDN prefill: `_track_mamba_state_extend` copies `h[track_ssm_h_src]`, the state
   entering a 64-token chunk, into a track slot (the fallback's op returns them, as fla's kernel does:
-  `cpu/sgl_kernel_shim.chunk_gated_delta_rule_cpu`);
+  `sgl_kernel_shim.chunk_gated_delta_rule_cpu`);
 - conv states in the activation dtype: the extend copies a chunk-end conv window (`mixed_qkv`, activation dtype)
   into the conv pool by index_put, which fails unless the pool has that dtype; SGLang's default conv dtype is
   bfloat16 (`SGLANG_MAMBA_CONV_DTYPE`), what a GPU model runs in, but CPU models run in float32 or float16
@@ -20,7 +20,7 @@ it on a CPU without AMX:
   tracked row's conv and SSM states are copied from its live slot into its track slot.
 """
 
-from tailreplay_sglang.config import default_mamba_conv_dtype
+from sglang_cpu_compat.env import default_mamba_conv_dtype
 
 
 def platform_supports_extra_buffer() -> bool:

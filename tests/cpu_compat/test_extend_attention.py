@@ -1,11 +1,11 @@
-"""The suffix-only extend attention (tailreplay_sglang/cpu/extend_attention.py) against SGLang's own
+"""The suffix-only extend attention (sglang_cpu_compat/extend_attention.py) against SGLang's own
 TorchNativeAttnBackend._run_sdpa_forward_extend, in float64 over random batches of prefixes and suffixes."""
 
 import pytest
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from tailreplay_sglang.cpu.extend_attention import sdpa_forward_extend, suffix_causal_mask
+from sglang_cpu_compat.extend_attention import sdpa_forward_extend, suffix_causal_mask
 
 ORIGINAL = TorchNativeAttnBackend._run_sdpa_forward_extend
 

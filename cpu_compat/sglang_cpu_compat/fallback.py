@@ -1,10 +1,10 @@
 """Import-time fallbacks for a CPU-only SGLang install, installed at interpreter start by
-`tailreplay_sglang_cpu_fallback.pth`.
+`sglang_cpu_compat.pth`.
 
 A finder appended to the *end* of `sys.meta_path` is consulted only after every normal finder has failed, so it
 changes nothing where the real packages are installed (the GPU route):
 
-- `sgl_kernel` (and submodules) -> `tailreplay_sglang.cpu.sgl_kernel_shim` (pure-torch CPU ops);
+- `sgl_kernel` (and submodules) -> `sglang_cpu_compat.sgl_kernel_shim` (pure-torch CPU ops);
 - `torchvision` (and submodules), where it is not installed -> a stub. SGLang's config package imports torchvision
   for vision models' preprocessing.
 
@@ -51,7 +51,7 @@ def _placeholder(qualname: str):
 
     def unavailable(*args, **kwargs):
         raise ImportError(f"{qualname} is not available: this CPU install has no working "
-                          f"{qualname.split('.')[0]} (tailreplay_sglang CPU fallback)")
+                          f"{qualname.split('.')[0]} (sglang_cpu_compat CPU fallback)")
 
     return _PlaceholderMeta(qualname.rsplit(".", 1)[-1], (), {"__init__": unavailable, "__qualname__": qualname})
 
@@ -60,7 +60,7 @@ class _SglKernelModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        from tailreplay_sglang.cpu.sgl_kernel_shim import UnavailableKernel
+        from sglang_cpu_compat.sgl_kernel_shim import UnavailableKernel
 
         return UnavailableKernel(name)
 
@@ -77,7 +77,7 @@ class _FallbackLoader(importlib.abc.Loader):
         try:
             _fill(module)
         except Exception as e:  # a changed torch or SGLang must not break `import sglang`: stubs only, and say why
-            warnings.warn(f"tailreplay_sglang CPU fallback: {module.__name__} is served as stubs only ({e!r})",
+            warnings.warn(f"sglang_cpu_compat CPU fallback: {module.__name__} is served as stubs only ({e!r})",
                           RuntimeWarning, stacklevel=2)
 
 
@@ -86,7 +86,7 @@ def _fill(module) -> None:
     if module.__name__ == "torchvision":
         module.__version__ = "0.0.0+tailreplay.stub"
         return
-    from tailreplay_sglang.cpu import sgl_kernel_shim
+    from sglang_cpu_compat import sgl_kernel_shim
 
     if module.__name__ == "sgl_kernel":
         module.__version__ = "0.0.0+tailreplay.cpu"
@@ -97,7 +97,7 @@ def _fill(module) -> None:
 
 def serves() -> bool:
     """Whether missing packages are served: on SGLang's CPU engine, or where torch cannot drive a GPU anyway."""
-    from tailreplay_sglang.config import cpu_engine_requested, cpu_fallback_disabled
+    from sglang_cpu_compat.env import cpu_engine_requested, cpu_fallback_disabled
 
     return not cpu_fallback_disabled() and (cpu_engine_requested() or _cpu_only_torch())
 
@@ -129,7 +129,7 @@ class TorchvisionOpsFinder(importlib.abc.MetaPathFinder):
             try:
                 _define_torchvision_ops_without_c_extension()
             except Exception as e:  # never break an import: torchvision then fails (or not) as it would without us
-                warnings.warn(f"tailreplay_sglang CPU fallback: torchvision not prepared ({e!r})", RuntimeWarning)
+                warnings.warn(f"sglang_cpu_compat CPU fallback: torchvision not prepared ({e!r})", RuntimeWarning)
         return None
 
 

@@ -6,7 +6,7 @@ driver). `hooks.py` registers them as REPLACE hooks on CPUs without AMX only:
 - `elementwise.fused_gate_sigmoid_mul_add` (Qwen-MoE shared-expert gate): `fused.gate_sigmoid_mul_add_`.
 """
 
-from tailreplay_sglang.cpu import fused
+from sglang_cpu_compat import fused
 
 
 def rmsnorm_gated_forward(self, x, z=None):

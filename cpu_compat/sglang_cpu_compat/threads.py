@@ -36,4 +36,4 @@ def bind_rank_threads(*, local_omp_cpuid, dist_init_method=None) -> None:
     cpus = parse_cpu_list(local_omp_cpuid)
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
-    logger.info("tailreplay_sglang: rank bound to CPUs %s, %d torch threads", cpus, len(cpus))
+    logger.info("sglang_cpu_compat: rank bound to CPUs %s, %d torch threads", cpus, len(cpus))

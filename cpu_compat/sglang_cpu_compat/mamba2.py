@@ -1,10 +1,10 @@
-"""Mamba2's ops for SGLang's CPU engine (issue 27 item 1): what `layers/attention/mamba/mamba.py` binds only on
+"""Mamba2's ops for SGLang's CPU engine: what `layers/attention/mamba/mamba.py` binds only on
 CUDA, NPU and XPU, so that on a CPU the first Mamba2 forward fails with "name 'causal_conv1d_fn_triton' is not
 defined" (Nemotron-H, Granite-4.0-H, Falcon-H1 and every other `MambaMixer2` model).
 
 `install` (a `call` row of `hooks.CPU_ENGINE`) binds the mixer module's six kernel names to torch bodies: the
 causal conv (both of SGLang's spellings: the prefill conv is the one the GDN path gets from `sgl_kernel_shim`,
-whose argument order is the same) and the SSD scan and decode update (`ops.ssd`), in the argument order and return
+whose argument order is the same) and the SSD scan and decode update (`ops/ssd.py`), in the argument order and return
 shapes of SGLang's Triton kernels.
 """
 
@@ -12,8 +12,9 @@ import bisect
 
 import torch
 
-from tailreplay_sglang.cpu.sgl_kernel_shim import causal_conv1d_fn_cpu as causal_conv1d_fn
-from tailreplay_sglang.ops import conv, ssd
+from sglang_cpu_compat.ops import ssd
+from sglang_cpu_compat.sgl_kernel_shim import causal_conv1d_fn_cpu as causal_conv1d_fn
+from tailreplay_sglang.ops import conv
 
 MIXER_MODULE = "sglang.srt.layers.attention.mamba.mamba"
 

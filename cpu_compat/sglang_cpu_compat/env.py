@@ -1,0 +1,21 @@
+"""Every environment variable the CPU port reads or sets, so that no other module of it touches the environment."""
+
+import os
+
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch to its CPU engine (`is_cpu()` wants "1")
+DISABLE_CPU_FALLBACK_ENV = "TAILREPLAY_DISABLE_CPU_FALLBACK"
+MAMBA_CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's conv-state dtype (default bfloat16), read at pool build
+
+
+def cpu_engine_requested() -> bool:
+    """SGLang's own switch to its CPU engine, read as `sglang.srt.utils.is_cpu` reads it."""
+    return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
+
+
+def cpu_fallback_disabled() -> bool:
+    return os.environ.get(DISABLE_CPU_FALLBACK_ENV) == "1"
+
+
+def default_mamba_conv_dtype(dtype_name: str) -> None:
+    """Make `dtype_name` SGLang's conv-state dtype unless the user chose one (extra_buffer.py says why)."""
+    os.environ.setdefault(MAMBA_CONV_DTYPE_ENV, dtype_name)

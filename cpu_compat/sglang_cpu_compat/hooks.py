@@ -1,0 +1,81 @@
+"""Every point where the CPU port changes SGLang 0.5.23, in one table, and the code that registers it.
+
+Rows are the plugin's `tailreplay_sglang.hooks.Hook` and are registered by its `_register`, so that the port's
+changes read, resolve and apply exactly as the plugin's do (its module docstring describes the kinds). `CPU_ENGINE`
+is registered by the SGLang plugin entry point `sglang_cpu_compat` in every SGLang process, and only on SGLang's CPU
+engine without AMX; `ELSEWHERE` lists the import hooks that `sglang_cpu_compat.pth` installs at interpreter start.
+`tests/cpu_compat/test_compat_hooks.py` checks that every target exists in the installed SGLang.
+"""
+
+from tailreplay_sglang.hooks import Hook, _register
+
+_SRT = "sglang.srt"
+_RUNNER = f"{_SRT}.model_executor.model_runner.ModelRunner"
+_FLA = "sglang.kernels.ops.attention.fla"
+_PKG = "sglang_cpu_compat"
+
+CPU_ENGINE = (
+    Hook(f"{_FLA}.layernorm_gated.RMSNorm.forward", "replace", f"{_PKG}.triton_branches:rmsnorm_gated_forward",
+         "Qwen3.5's GDN output norm goes to Triton on a CPU without AMX"),
+    Hook(f"{_FLA}.fused_norm_gate.FusedRMSNormGated.forward", "replace",
+         f"{_PKG}.triton_branches:fused_rmsnorm_gated_forward",
+         "Qwen3-Next's GDN output norm goes to Triton on a CPU without AMX"),
+    Hook("sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add", "replace",
+         f"{_PKG}.fused:gate_sigmoid_mul_add_", "the Qwen-MoE shared-expert gate goes to Triton"),
+    Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend", "around",
+         f"{_PKG}.extend_attention:sdpa_forward_extend",
+         "stock pads the queries to the whole sequence (O(L x L) per hit); ours computes the new tokens' only"),
+    Hook(f"{_SRT}.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer", "replace",
+         f"{_PKG}.extra_buffer:platform_supports_extra_buffer",
+         "SGLang's GPU default strategy (extra_buffer) lists GPU platforms only; the CPU ops give it what it reads"),
+    Hook(f"{_RUNNER}.alloc_memory_pool", "before", f"{_PKG}.extra_buffer:conv_dtype_follows_model",
+         "extra_buffer index-puts activations into the conv pool, which must then have the model's dtype (bfloat16 "
+         "by default, what GPU models run in; CPU models run in float32 or float16)"),
+    Hook("torch.Tensor.pin_memory", "call", f"{_PKG}.extra_buffer:pin_memory_is_identity",
+         "extra_buffer stages each decode batch's track mask through pinned memory, which a CPU-only torch refuses"),
+    Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_if_needed", "replace",
+         f"{_PKG}.extra_buffer:track_states", "extra_buffer's decode-side state tracking is a Triton kernel"),
+    Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_all_layers", "replace",
+         f"{_PKG}.extra_buffer:track_states_all_layers",
+         "extra_buffer's decode-side state tracking (all layers at once) is a Triton kernel"),
+    Hook(f"{_SRT}.layers.attention.mamba.mamba.mamba_chunk_scan_combined", "call", f"{_PKG}.mamba2:install",
+         "the Mamba2 mixer (Nemotron-H, Granite-4.0-H, Falcon-H1) binds its causal conv only on CUDA / NPU / XPU and "
+         "its SSD scan and decode update are Triton: all six names bound to torch bodies"),
+    Hook(f"{_SRT}.layers.attention.linear.kernels.kda_triton.chunk_kda", "call", f"{_PKG}.kda:install",
+         "Kimi Linear's KDA kernel module imports its prefill and decode kernels only off CPU: both names bound "
+         "to torch bodies"),
+    Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
+         f"{_PKG}.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
+    Hook(f"{_SRT}.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry", "call",
+         f"{_PKG}.mla:register_mla_handler",
+         "MLA (Kimi Linear's attention) on torch_native: SGLang's dispatch sends a fresh prefill down the MHA path, "
+         "whose per-head keys torch_native does not keep; the absorbed path attends the cached latent"),
+    Hook(f"{_SRT}.layers.moe.fused_moe_native.moe_forward_native", "around", f"{_PKG}.moe:scale_routed_output",
+         "SGLang's CPU MoE drops the routed-expert scale (Kimi Linear's 2.446) that its GPU runner applies"),
+    Hook(f"{_SRT}.models.nemotron_h.NemotronHMoE._forward_core_normal", "replace",
+         f"{_PKG}.moe:nemotron_h_moe_core",
+         "Nemotron-H's MoE router GEMM asks torch.mm for a float32 output dtype, which has no CPU kernel"),
+    Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
+         "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
+         "other's cores"),
+)
+
+ELSEWHERE = (
+    Hook("sys.meta_path (end): sgl_kernel, sgl_kernel.mamba, torchvision", "import",
+         "sglang_cpu_compat.pth -> sglang_cpu_compat.fallback:install",
+         "SGLang imports sgl_kernel on every device and its CPU build is not on PyPI: served from torch ops where "
+         "the real package is missing, and only under SGLANG_USE_CPU_ENGINE=1"),
+    Hook("sys.meta_path (first): torchvision", "import",
+         "sglang_cpu_compat.pth -> sglang_cpu_compat.fallback:TorchvisionOpsFinder",
+         "PyPI's torchvision is a CUDA build; its image transforms run on CPU torch, but its import needs two op "
+         "schemas its C++ extension would define: defined in Python where that extension cannot load"),
+)
+
+
+def register() -> None:
+    """Plugin `sglang_cpu_compat`: only on SGLang's CPU engine without AMX, so GPU and AMX runs keep SGLang's own
+    kernels."""
+    from sglang.srt.utils import cpu_has_amx_support, is_cpu
+
+    if is_cpu() and not cpu_has_amx_support():
+        _register(CPU_ENGINE)

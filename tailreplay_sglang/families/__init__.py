@@ -1,0 +1,17 @@
+"""The recurrent families, one module each, chosen by the layout's mixer: a new family is one module plus its row
+here and its INTERVAL_ANCHORS rows in `hooks.py`."""
+
+import importlib
+
+from tailreplay_sglang.families.base import Family, FamilyBindError, ReplayBatch
+from tailreplay_sglang.layout import GDN, KDA, MAMBA2
+
+# Imported on first use: a family module imports its kernels, which the launcher never needs.
+MODULES = {GDN: "tailreplay_sglang.families.gdn", MAMBA2: "tailreplay_sglang.families.mamba2",
+           KDA: "tailreplay_sglang.families.kda"}
+
+__all__ = ["MODULES", "Family", "FamilyBindError", "ReplayBatch", "family_for"]
+
+
+def family_for(layout) -> Family:
+    return importlib.import_module(MODULES[layout.mixer]).FAMILY

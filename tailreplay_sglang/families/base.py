@@ -1,0 +1,118 @@
+"""What every recurrent family gives the mechanism (`Family`), the packed replay batch it works on, and the helpers
+the families share."""
+
+import pkgutil
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ReplayBatch:
+    """One packed varlen replay: tails of all hit requests in a prefill batch."""
+
+    kv_slots: torch.Tensor  # [sum k] KV slot of every replayed token
+    cu_seqlens: torch.Tensor  # [n + 1]
+    mamba_slots: torch.Tensor  # [n] each request's mamba slot: a copied anchor state or a cleared one
+    tail_lens: list[int]
+    reqs: list
+    log_survival: torch.Tensor | None = None  # [n] filled by the replay: max over layers and heads of the log-decays
+
+    def observe_decay(self, log_decay: torch.Tensor) -> None:
+        """Fold one layer's log-decays [T, heads] into `log_survival` (the zero-init tail's survival bound)."""
+        self.log_survival = torch.maximum(self.log_survival, tail_log_survival(log_decay, self))
+
+
+class FamilyBindError(RuntimeError):
+    """The loaded model lacks a module, attribute or kernel the family's capture or replay uses."""
+
+
+class Family:
+    """A recurrent mixer family: how its groups are captured, replayed and anchored.
+
+    One instance per family (`families.family_for`); it holds no per-model state, so every method gets what it
+    works on.
+    """
+
+    name: str = ""
+    # A replayed hit's state at its match end can be kept as an anchor (offset 0 of its extend): true where the
+    # prefill's per-chunk states start at every sequence's first token.
+    anchor_at_replay_end: bool = True
+
+    def anchor_grid(self, layout) -> int:
+        """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""
+        return 64
+
+    def install_capture(self, layers, store) -> list:
+        """Hooks that write token ids and group inputs into the store during every forward; returns removable
+        handles."""
+        raise NotImplementedError
+
+    def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
+        """Replay one group over the packed tails from its input x [T, hidden]; states land in the batch's slots."""
+        raise NotImplementedError
+
+    def required(self, model, layout) -> list[tuple[object, str, str]]:
+        """(object, dotted attribute path, where) of every model internal the capture and replay touch."""
+        raise NotImplementedError
+
+    def required_kernels(self) -> tuple[str, ...]:
+        """`module:name` of every SGLang function the replay calls by name."""
+        return ()
+
+    def bind(self, model, layout) -> None:
+        """At start-up: raise `FamilyBindError` naming every model internal or kernel the replay would touch and the
+        installed SGLang lacks, so a rename fails at launch rather than at the first hit."""
+        missing = [f"{where}.{path}" for obj, path, where in self.required(model, layout) if not _has_path(obj, path)]
+        for name in self.required_kernels():
+            try:
+                pkgutil.resolve_name(name)
+            except (ImportError, AttributeError):
+                missing.append(name)
+        if missing:
+            raise FamilyBindError(f"Tail-Replay ({self.name}): this SGLang's model lacks what the replay uses: "
+                                  f"{', '.join(missing)}. Tail-Replay supports sglang==0.5.23's model classes.")
+
+
+def _has_path(obj, path: str) -> bool:
+    for name in path.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def layer_requirements(model, layer_ids, paths, where: str = "model.layers") -> list[tuple[object, str, str]]:
+    """The same attribute paths on each of the given decoder layers."""
+    return [(model.layers[i], path, f"{where}[{i}]") for i in layer_ids for path in paths]
+
+
+def tp_reduced(partial: torch.Tensor, linear) -> torch.Tensor:
+    """Output projections, MLPs and MoE blocks built with reduce_results=False leave the TP sum to the layer's
+    communicator in the model's forward. The replay calls them directly, so it reduces them itself; every rank
+    replays the same batch at the same point (TP schedulers run in lockstep), so the collectives pair up. A no-op
+    at TP 1 and for modules that reduce inside."""
+    if linear is None or getattr(linear, "reduce_results", True):
+        return partial
+    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return tensor_model_parallel_all_reduce(partial) if get_tensor_model_parallel_world_size() > 1 else partial
+
+
+def reduction_owner(mlp):
+    """The module whose `reduce_results` says whether a feed-forward output still lacks its TP sum: a MoE block
+    carries the flag itself, a dense MLP on its down projection, a MoE with a shared expert on its experts (the
+    shared expert's partial sum is added before the reduction, as in its layer)."""
+    if hasattr(mlp, "reduce_results"):
+        return mlp
+    down = getattr(mlp, "down_proj", None)
+    return down if down is not None else getattr(mlp, "experts", None)
+
+
+def tail_log_survival(g: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+    """[n] max over heads of sum_t g_t over each tail, from the log-decays g [T, heads] of one layer."""
+    lens = torch.tensor(batch.tail_lens, device=g.device)
+    seq = torch.repeat_interleave(torch.arange(len(batch.tail_lens), device=g.device), lens)
+    sums = torch.zeros(len(batch.tail_lens), g.shape[1], device=g.device).index_add_(0, seq, g)
+    return sums.max(dim=1).values
