@@ -134,13 +134,15 @@ class ServerProcess:
     def _ready(self) -> bool:
         return requests.get(f"{self.base_url}/health", timeout=5).status_code == 200
 
-    def stop(self, grace: float = 2.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL whatever is left after `grace` seconds. The servers
-        started here hold nothing worth a graceful exit (SGLang's own shutdown takes about 7 s), and on two cores
-        the tests and benchmarks start and stop dozens of them."""
+    def stop(self, grace: float = 0.0) -> None:
+        """SIGKILL the server's process group (with `grace` > 0: SIGTERM first, SIGKILL what is left after `grace`
+        seconds). The servers started here hold nothing worth a graceful exit: SGLang's own takes about 7 s (once
+        SIGTERM has ended its scheduler, the launcher sleeps 5 s for crash diagnostics) where SIGKILL takes about
+        1 s, and on two cores the tests and benchmarks start and stop dozens of them."""
         if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
             return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        steps = [(signal.SIGTERM, grace)] if grace > 0 else []
+        for sig, wait in steps + [(signal.SIGKILL, 10.0)]:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -148,7 +150,7 @@ class ServerProcess:
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and _group_alive(self.proc.pid):
                 self.proc.poll()
-                time.sleep(0.2)
+                time.sleep(0.05)
             if not _group_alive(self.proc.pid):
                 return
 

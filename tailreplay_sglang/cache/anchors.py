@@ -43,8 +43,7 @@ def offsets(extend_len: int, interval: int, at_start: bool = False) -> list[int]
 def spare_slots(reqs, pool, tree_cache) -> int:
     """Mamba slots anchors may take in this forward: free plus evictable, less one per request of the batch. After
     the forward SGLang copies each unfinished (chunked) request's state into a new slot (its chunk-end checkpoint)
-    and asserts that it gets one; anchors planned before it must leave that slot, or the scheduler dies (measured:
-    a 3-slot pool, two 5000-token prompts, 1024-token chunks)."""
+    and asserts that it gets one; anchors planned before it must leave that slot, or the scheduler dies."""
     return pool.mamba_allocator.available_size() + tree_cache.mamba_evictable_size() - len(reqs)
 
 
