@@ -273,7 +273,7 @@ def main(argv=None):
         console.log(f"pass {i + 1}/{passes} done")
     rates = (bandwidth, matmul_rate)
     rows = [make_row(device, cfg["dtype"], N, k, per_token_tokens,
-                     {name: t for (n, l, name), t in best.items() if (n, l) == (N, k)}, rates)
+                     {name: t for (n, length, name), t in best.items() if (n, length) == (N, k)}, rates)
             for N in requests for k in lengths]
     print_table(rows, device, rates, console)
     print_speedup(rows, device, console)

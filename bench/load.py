@@ -4,7 +4,8 @@
         [--groups 3] [--prompts-per-group 8] [--system-len 1024] [--question-len 64] [--output-len 16] \
         [--out runs/load.json]
 
-Systems (all three servers up at once, interleaved run by run): stock, Tail-Replay with its hidden store on the device (`--tail-replay-hidden-tier device`) and in host
+Systems (all three servers up at once, interleaved run by run): stock, Tail-Replay with its hidden store on the device
+(`--tail-replay-hidden-tier device`) and in host
 memory (`host`). Equal memory: every server gets the same device-memory budget for its token pool, and its
 `--max-total-tokens` is that budget over the bytes per token its pool charges to the device (FA KV; plus the stored
 hiddens on the device tier; `bench/memory.py`'s accounting). So a device-tier server holds fewer tokens than stock;

@@ -54,7 +54,8 @@ def main(argv=None):
     for col in ("prompt tokens", "seconds", "tokens/s"):
         table.add_column(col)
     for row in rows:
-        table.add_row(str(row["prompt_tokens"]), f"{row['seconds']:.2f}", f"{row['prompt_tokens'] / row['seconds']:.0f}")
+        rate = row["prompt_tokens"] / row["seconds"]
+        table.add_row(str(row["prompt_tokens"]), f"{row['seconds']:.2f}", f"{rate:.0f}")
     Console().print(table)
     out.write_text(json.dumps({"preset": args.preset, "dtype": args.dtype, "server_start_s": start_s,
                                "prefill": rows}, indent=2))

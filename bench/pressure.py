@@ -213,7 +213,8 @@ def chat_ab(arms: dict[str, Arm], args, vocab: int) -> dict:
         ttft = [r["ttft_s"] for r in follow_ups]
         out[label] = {"turns": len(follow_ups), "ttft_p50_s": float(np.median(ttft)),
                       "ttft_mean_s": float(np.mean(ttft)),
-                      "cached_share": sum(r["cached"] for r in follow_ups) / sum(r["prompt_tokens"] for r in follow_ups),
+                      "cached_share": (sum(r["cached"] for r in follow_ups)
+                                       / sum(r["prompt_tokens"] for r in follow_ups)),
                       "exact": all(r["exact"] for r in follow_ups)}
     return out
 

@@ -6,7 +6,8 @@ workload against each.
 The workload is what users of hybrid models send all the time: one long system prompt with different questions,
 an identical resend, a multi-turn follow-up through the previous answer, and a fork mid-prompt. For each request and
 server it prints the prompt length, SGLang's `cached_tokens`, the replayed tokens (with the anchor they started
-from and whether the hit is exact) and the time to first token, and writes them as JSON. The two servers run one after the other on the same machine.
+from and whether the hit is exact) and the time to first token, and writes them as JSON. The two servers run one after
+the other on the same machine.
 """
 
 import argparse

@@ -203,7 +203,8 @@ def replay(model, layout: HybridLayout, h2d: HostToDevice, ids, hiddens: dict, k
     layers, device = model.model.layers, ids.device
     cu_seqlens = torch.arange(2, device=device) * k  # one tail [0, k); built on the device, no host sync
     slots = torch.zeros(1, dtype=torch.int64, device=device)
-    pools = {i: _zero_pools(layers[i].linear_attn, model.dtype, device) for g in layout.groups for i in g.recurrent_layers}
+    pools = {i: _zero_pools(layers[i].linear_attn, model.dtype, device)
+             for g in layout.groups for i in g.recurrent_layers}
     for group in layout.groups:
         if k == 0:
             break
@@ -312,7 +313,7 @@ def measure_row(model, layout, m: int, ratios, args, device) -> dict:
             cell.update({f"{name}_ms": _mean(times), f"{name}_times_ms": times,
                          f"{name}_speedup": row["full_ms"] / _mean(times)})
         row["ratios"][str(r)] = cell
-    del host
+    host = None  # the prefix's captured hiddens, freed before the next length
     return row
 
 

@@ -1,4 +1,5 @@
-"""Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Nemotron-H checkpoints that HF transformers 5.19 and SGLang 0.5.23 both load.
+"""Build small random-weight Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Nemotron-H checkpoints that HF transformers 5.19 and
+SGLang 0.5.23 both load.
 
     python -m tailreplay_eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
@@ -197,7 +198,8 @@ PRESETS: dict[str, Preset] = {
     ),
     # Nemotron-H (Mamba2): the tiny sizes, a pattern with an MLP between two Mamba2 layers (group 0), a group that
     # starts with an MLP and has a MoE between its Mamba2 layers (group 1: Nemotron-3's MoE, sigmoid router with a
-    # score-correction bias, routed scale 2.5, a shared expert) and MLPs after a group's last Mamba2 layer. HF's Mamba2 init (A = 1..heads,
+    # score-correction bias, routed scale 2.5, a shared expert) and MLPs after a group's last Mamba2 layer. HF's
+    # Mamba2 init (A = 1..heads,
     # dt in [0.001, 0.1]) gives per-token decays from 0.45 to 0.999: the heads' memories span 1 to 1000 tokens.
     "tiny-nemotron-h": Preset(
         model_type="nemotron_h", **dict(TINY, num_hidden_layers=11),
@@ -212,7 +214,8 @@ PRESETS: dict[str, Preset] = {
         mamba2=Mamba2(pattern="MMM*MMM*", num_heads=8, head_dim=16, n_groups=1, state_size=16),
     ),
     # Falcon-H1 (falcon_h1): attention and Mamba2 side by side in every layer. Served by stock SGLang here (the
-    # Mamba2 CPU ops); Tail-Replay refuses it at start-up with the store-to-KV ratio (layout._refuse_unsupported_mixers).
+    # Mamba2 CPU ops); Tail-Replay refuses it at start-up with the store-to-KV ratio
+    # (layout._refuse_unsupported_mixers).
     "tiny-falcon-h1": Preset(
         model_type="falcon_h1", **dict(TINY, num_hidden_layers=4),
         mamba2=Mamba2(pattern="", num_heads=8, head_dim=16, n_groups=1, state_size=16),

@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("models/quality-qwen35"))
     parser.add_argument("--work", type=Path, default=Path(".train/quality-qwen35"),
                         help="checkpoints; a run resumes from here")
-    for name, field in TrainConfig.__dataclass_fields__.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default)
+    for name, spec in TrainConfig.__dataclass_fields__.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(spec.default), default=spec.default)
     parser.add_argument("--export-only", action="store_true", help="export the checkpoint in --work as it is")
     args = vars(parser.parse_args(argv))
     out, work = args.pop("out"), args.pop("work")

@@ -5,7 +5,8 @@ by the token embeddings; every later group is the layers following one FA layer,
 For each group after group 0 the store keeps, per token, the residual-stream value entering the group's first layer
 (the FA layer's output hidden); replaying a group needs nothing else.
 
-Three recurrent mixers (`HybridLayout.mixer`, each replayed by its family in `families/`): Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid: each decoder layer is
+Three recurrent mixers (`HybridLayout.mixer`, each replayed by its family in `families/`): Gated DeltaNet (Qwen3.5,
+Qwen3-Next, OLMo-Hybrid: each decoder layer is
 a GDN mixer and its MLP) and Mamba2 (Granite-4.0-H: each layer a Mamba2 or attention mixer and its MoE + shared MLP,
 `layer_types` mamba / attention; Nemotron-H: every layer is one stage, a Mamba2 mixer `M`, attention `*`, MLP `-` or
 MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the run of layers between two

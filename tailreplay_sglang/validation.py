@@ -17,7 +17,8 @@ class InvalidTokenIdError(ValueError):
 def check_token_ids(input_ids: Sequence, vocab_size: int) -> None:
     """Raise InvalidTokenIdError naming the first id that is not an int in [0, vocab_size)."""
     # Fast path: one pass over plain ints, then the range from min/max.
-    if all(type(t) is int for t in input_ids) and (not input_ids or 0 <= min(input_ids) and max(input_ids) < vocab_size):
+    if all(type(t) is int for t in input_ids) and (
+            not input_ids or 0 <= min(input_ids) and max(input_ids) < vocab_size):
         return
     for i, t in enumerate(input_ids):
         if type(t) is not int:  # bool is an int subclass, but True is not a token id

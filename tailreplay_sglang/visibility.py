@@ -70,7 +70,8 @@ class ReplayMetrics:
         self.tokens = Counter("sglang:tail_replay_tokens_total", "Tokens replayed through recurrent layers.")
         self.seconds = Counter("sglang:tail_replay_seconds_total", "Wall time spent in replay passes.")
         self.exact_hits = Counter("sglang:tail_replay_exact_hits_total",
-                                  "Hits whose recurrent states were rebuilt exactly (from an anchor, or the whole prefix).")
+                                  "Hits whose recurrent states were rebuilt exactly (from an anchor, or the whole "
+                                  "prefix).")
         self.approximate_hits = Counter("sglang:tail_replay_approximate_hits_total",
                                         "Hits served by the zero-init tail (no anchor within the exact budget).")
         self.evicted_anchors = Counter("sglang:tail_replay_evicted_anchors_total",

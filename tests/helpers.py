@@ -1,6 +1,7 @@
 """Plain helpers the tests share: the model folder, the exact Tail-Replay flags, servers started and stopped by PID
 (per module, or once per session for the flag sets several modules share: ServerRegistry), greedy `/generate`, the
-multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts loaded by path. Fixtures live in conftest.py; test modules import these with `from helpers import ...` (pytest puts
+multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts loaded by path. Fixtures live
+in conftest.py; test modules import these with `from helpers import ...` (pytest puts
 tests/ on the import path, as it does for conftest.py)."""
 
 import concurrent.futures

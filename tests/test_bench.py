@@ -324,7 +324,7 @@ def test_profile_attributes_samples_to_the_innermost_plugin_module():
     nobody."""
     root, port = "/work/x/tailreplay_sglang", "/work/x/cpu_compat/sglang_cpu_compat"
     stacks = "\n".join([
-        f"run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
+        "run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
         f"_write ({root}/store/hidden_store.py:76) 3",
         f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/ops/gdn.py:130) 80",
         f"run (sglang/scheduler.py:1);causal_conv1d_fn_cpu ({port}/sgl_kernel_shim.py:45) 10",

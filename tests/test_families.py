@@ -37,7 +37,8 @@ def test_only_mamba2_keeps_no_anchor_at_a_replayed_match_end_and_has_its_own_gri
 def test_a_model_internal_the_replay_needs_missing_stops_the_server_at_start_up(tiny_qwen35, tmp_path):
     """As an SGLang rename would: the scheduler stops before serving, naming what is missing, instead of failing
     at the first hit."""
-    env = {"PYTHONPATH": str(FAULT_PLUGIN_DIR), "TAILREPLAY_FAULT_DROP_MODEL_ATTR": "linear_attn.fix_query_key_value_ordering"}
+    env = {"PYTHONPATH": str(FAULT_PLUGIN_DIR),
+           "TAILREPLAY_FAULT_DROP_MODEL_ATTR": "linear_attn.fix_query_key_value_ordering"}
     server = ServerProcess(str(tiny_qwen35), ("--enable-tail-replay",), log_path=tmp_path / "server.log", env=env)
     try:
         with pytest.raises(RuntimeError, match="during start-up"):

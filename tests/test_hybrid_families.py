@@ -26,8 +26,8 @@ import concurrent.futures
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate, max_error,
-                     no_cache, random_ids, scored, start_server, start_servers)
+from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate,
+                     max_error, no_cache, random_ids, scored, start_server, start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, load_hf_model, prompt_logprobs

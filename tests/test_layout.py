@@ -106,8 +106,6 @@ def test_off_grid_anchor_intervals_are_refused_on_mamba2_models(tiny_nemotron_h)
 def test_falcon_h1_is_refused_with_the_reason(tiny_falcon_h1):
     """Falcon-H1: every layer is attention beside Mamba2, so every layer's input would be stored; the refusal gives
     the store-to-KV ratio from the checkpoint's config."""
-    import json
-    import shutil
 
     import pytest
     from transformers import AutoConfig

@@ -1,4 +1,5 @@
-"""PendingReplays (tailreplay_sglang/cache/request.py): a hit waits here from prepare_for_extend to its batch's forward."""
+"""PendingReplays (tailreplay_sglang/cache/request.py): a hit waits here from prepare_for_extend to its batch's
+forward."""
 
 from tailreplay_sglang.cache.request import Match, PendingReplays
 

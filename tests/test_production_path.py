@@ -99,7 +99,7 @@ def test_chat_turns_hit_their_previous_turn_at_least_where_stock_does(servers):
     srv, stock = servers["tail_replay"], servers["stock"]
     for s in (srv, stock):
         flush_cache(s.base_url)
-    ids, turns = random_ids(100, seed=2), []
+    ids, turns, previous = random_ids(100, seed=2), [], []
     for turn in range(4):
         out = scored(srv, ids, len(ids) - 1, 5)
         stock_meta = generate(stock, ids, 5)["meta_info"]
@@ -164,7 +164,8 @@ def test_paged_kv_hits_to_the_page_and_equals_no_cache(servers):
 
 def test_small_pool_with_host_anchors_keeps_hits_exact(servers):
     """12 mamba slots, 3 requests at a time: forks and chat turns on 5 prompts race for slots and evict anchors
-    (with device anchors only, 4 of these 16 hits were exact, measured 2026-12-02; docs/results.md, section 2e). Evicted anchors
+    (with device anchors only, 4 of these 16 hits were exact, measured 2026-12-02; docs/results.md, section 2e).
+    Evicted anchors
     move to the host pool and hits copy them back: at least 95 % of hits are exact, every one equals the no-cache
     prefill, host hits are counted and nothing leaks."""
     srv = servers["small_pool"]

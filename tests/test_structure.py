@@ -5,6 +5,8 @@ runtime only, and the port's wheel the port and its .pth, so what runs inside SG
 
 import ast
 import re
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -37,7 +39,8 @@ def _imports(path: Path, name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
     return {m for m in found if _is_ours(m)}
@@ -162,3 +165,10 @@ def test_only_env_reads_the_environment_in_the_cpu_port():
     readers = {p.relative_to(port).as_posix() for p in port.rglob("*.py")
                if re.search(r"\bos\.environ\b|\bgetenv\(", p.read_text())}
     assert readers == {"env.py"}
+
+
+def test_the_tree_passes_ruff():
+    """The style pyproject.toml configures ([tool.ruff]) holds everywhere ruff looks."""
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

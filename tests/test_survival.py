@@ -1,4 +1,5 @@
-"""The survival indicator of a zero-init tail (families.base.tail_log_survival) and the anchor offsets (anchors.offsets)."""
+"""The survival indicator of a zero-init tail (families.base.tail_log_survival) and the anchor offsets
+(anchors.offsets)."""
 
 import math
 

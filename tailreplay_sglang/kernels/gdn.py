@@ -101,7 +101,8 @@ def gdn_replay_fwd_kernel(
         b_k = _load_l2norm(k + o_tok[:, None] * stride_k + i_h * K + o_k[None, :], m_tk)
         p_v = v + o_tok[:, None] * stride_v + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_g, b_beta = _gates(a + o_tok * stride_a + i_hv, b + o_tok * stride_b + i_hv, m_t, b_neg_A, b_dt_bias, beta_scale)
+        b_g, b_beta = _gates(a + o_tok * stride_a + i_hv, b + o_tok * stride_b + i_hv, m_t, b_neg_A, b_dt_bias,
+                             beta_scale)
         # padded tokens have g = beta = 0 and k = 0: they leave the state and the cumulative decay alone
         b_gc = tl.cumsum(b_g, 0)
         b_gl = tl.sum(tl.where(o_t == BT - 1, b_gc, 0.))

@@ -656,7 +656,9 @@ def _kda_inputs(lengths, H, K, V, seed):
 
 
 def _kda_reference(q, k, v, gate, beta, initial, s, e):
-    f = lambda x: x[0, s:e].double()
+    def f(x):
+        return x[0, s:e].double()
+
     return naive.naive_recurrent_kda(f(q), f(k), f(v), gate[s:e], beta[0, s:e].double().sigmoid(),
                                      None if initial is None else initial.double(), use_qk_l2norm=True)
 
