@@ -2,9 +2,8 @@
 
 SGLang 0.5.23's `TorchNativeAttnBackend._run_sdpa_forward_extend` pads each request's queries to the whole sequence
 (`per_req_query_redudant`, prefix rows left uninitialised) and runs causal SDPA over all L x L positions, keeping
-only the suffix rows. So a 32-token suffix after a 16K cached prefix pays a full prefill's attention: measured, a
-stock hit at 16K takes 7.2 s against 35.8 s for the full prefill (docs/results.md), and every cache hit on CPU
-inherits that floor.
+only the suffix rows. So a 32-token suffix after a 16K cached prefix pays a full prefill's attention, and every cache
+hit on CPU inherits that floor (docs/results.md has the stock hit's time).
 
 Here each request's E new queries attend its L = prefix + E keys with a bottom-right-aligned causal mask (query i
 sees keys 0 .. prefix + i), O(E x L) instead of O(L x L). Cross-attention, encoder inputs and sliding windows keep

@@ -158,12 +158,6 @@ def _define_torchvision_ops_without_c_extension() -> None:
         _torchvision_library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
 
-def is_active(module_name: str = "sgl_kernel") -> bool:
-    """True when `module_name` was served by this fallback rather than the real package."""
-    module = sys.modules.get(module_name)
-    return bool(getattr(module, "__tailreplay_fallback__", False))
-
-
 def install() -> None:
     if not any(isinstance(f, CpuFallbackFinder) for f in sys.meta_path):
         sys.meta_path.append(CpuFallbackFinder())

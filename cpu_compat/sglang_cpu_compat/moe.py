@@ -3,9 +3,8 @@ experts and its router GEMM.
 
 On a CPU without AMX, `UnquantizedFusedMoEMethod.forward_cpu` runs `fused_moe_native.moe_forward_native`, which
 never applies `moe_runner_config.routed_scaling_factor`; the Triton runner a GPU takes multiplies the routed sum by
-it. Kimi Linear's is 2.446 (DeepSeek-V3's 2.5): without it the routed experts' share of every MoE layer's output is
-off by that factor, and stock prompt log-probs differed from HF's by 0.085 nats on the tiny Kimi Linear (4e-5
-with it).
+it (Kimi Linear's is 2.446): without it the routed experts' share of every MoE layer's output is off by that factor
+(what it costs against HF: docs/cpu.md).
 """
 
 import torch

@@ -3,9 +3,8 @@
 SGLang resolves each rank's cores (`SGLANG_CPU_OMP_THREADS_BIND`, or the rank's NUMA node) on every CPU, but applies
 them only through `sgl_kernel.init_cpu_threads_env`, which it calls only where AMX (or Arm) kernels are built. On
 other CPUs every rank keeps torch's default (one thread per core of the machine, unbound): two ranks or two servers on
-two cores then run four spinning OpenMP threads, and prefill slows about tenfold (measured: 90 tokens/s per worker
-behind the router, docs/scale-out.md). Here the resolved cores are applied with torch alone: the process's affinity
-and torch's thread count.
+two cores then run four spinning OpenMP threads, which slows prefill many times over (docs/scale-out.md). Here the
+resolved cores are applied with torch alone: the process's affinity and torch's thread count.
 """
 
 import logging
