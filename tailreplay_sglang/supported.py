@@ -40,6 +40,22 @@ SUPPORTED = {
     "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
     "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
     "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),
+    # The replay runs its MoE inside the outer batch's forward context, whose token counts the expert dispatch reads:
+    # with experts sharded, replayed rows past the batch's own extend would get no experts.
+    "ep_size": ((1,), "--ep-size", "expert parallelism: the replay's MoE would be dispatched with the batch's counts"),
+    "moe_dp_size": ((1,), "--moe-dp-size", "MoE data parallelism: as --ep-size"),
+    # The replay addresses the KV pool and the hidden store by the request's slot ids as the tree holds them.
+    "enable_unified_memory": ((False,), "--enable-unified-memory", "slot ids become virtual (not replayed)"),
+    "enable_page_major_kv_layout": ((False,), "--enable-page-major-kv-layout", "slot ids become virtual"),
+    "enable_unified_cache_external_linker": ((False,), "--enable-unified-cache-external-linker",
+                                             "KV loaded from outside comes without its hiddens or taint"),
+    "enable_lmcache": ((False,), "--enable-lmcache", "the tail_replay cache backend would bypass LMCache"),
+    "hicache_storage_backend": ((None,), "--hicache-storage-backend", "storage tiers move KV the store must follow"),
+    "enable_pdmux": ((False,), "--enable-pdmux", "prefill/decode multiplexing is not tested"),
+    "enable_linear_replayssm": ((False,), "--enable-linear-replayssm", "SGLang's own recurrent-state replay"),
+    "enable_linear_replayssm_spec": ((False,), "--enable-linear-replayssm-spec", "SGLang's own recurrent-state replay"),
+    "mamba_max_states_per_path": ((-1,), "--mamba-max-states-per-path",
+                                  "a cap on a path's states that drops anchors (not tested)"),
 }
 
 

@@ -1,8 +1,8 @@
 """Plain helpers the tests share: the model folder, the exact Tail-Replay flags, servers started and stopped by PID
 (per module, or once per session for the flag sets several modules share: ServerRegistry), greedy `/generate`, the
 multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench scripts loaded by path. Fixtures live
-in conftest.py; test modules import these with `from helpers import ...` (pytest puts
-tests/ on the import path, as it does for conftest.py)."""
+in conftest.py; test modules import these with `from helpers import ...` (pytest puts tests/ on the import path, as
+it does for conftest.py)."""
 
 import concurrent.futures
 import importlib.util
@@ -132,7 +132,8 @@ class ServerRegistry:
     A server starts on its first use (`serve`, the body of a module-scoped fixture) and is stopped by PID when the
     last test that needs it is done (`release`, called by conftest's teardown hook), at the end of the session
     (`close`), or, should a start find `max_alive` up already, when it is the least recently used one that no module
-    is using: a later `serve` starts it again (`starts` counts the starts per server)."""
+    is using (a later `serve` starts it again). One fixture name per flag set: the last test that needs a server is
+    found by its fixture name."""
 
     def __init__(self, tmp_path_factory, max_alive: int = 3):
         self._tmp = tmp_path_factory
@@ -140,12 +141,13 @@ class ServerRegistry:
         self._alive: dict[tuple, ServerProcess] = {}  # insertion order = least recently used first
         self._held: dict[tuple, int] = {}  # modules using the server now
         self._keys: dict[str, tuple] = {}  # fixture name -> spec_key
-        self.starts: dict[str, int] = {}
 
     def serve(self, name: str, spec: Spec):
         """Generator body for a module-scoped fixture: yield the running server for `spec`, started if needed."""
         key = self._keys.setdefault(name, spec_key(spec))
         assert key == spec_key(spec), f"{name}: one name, one flag set"
+        twins = [other for other, k in self._keys.items() if k == key and other != name]
+        assert not twins, f"{name} has the flags of {twins}: use that fixture"
         self._held[key] = self._held.get(key, 0) + 1
         try:
             yield self._get(name, key, spec)
@@ -162,7 +164,6 @@ class ServerRegistry:
             while len(self._alive) >= self.max_alive and idle:
                 self._stop(idle.pop(0))
             server = launch(self._tmp, {name: spec})[name]
-            self.starts[name] = self.starts.get(name, 0) + 1
         self._alive[key] = server  # now the most recently used
         return server
 
