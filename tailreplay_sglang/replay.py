@@ -35,22 +35,22 @@ def replay_start(match: Match, config: TailReplayConfig) -> int:
     return match.matched - config.tail_len(match.matched)
 
 
-def plan(runner, forward_batch, rows: list[tuple[int, Match, object]], config: TailReplayConfig) -> ReplayBatch | None:
+def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
+         config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
-    req_pool_indices = forward_batch.req_pool_indices
     spans, mamba_rows, lens, reqs = [], [], [], []
     for row, match, req in rows:
         start = replay_start(match, config)
         if start == match.matched:  # an anchor at the match end, or the paper's zero mode: nothing to replay
             continue
-        pool_idx = req_pool_indices[row]
+        pool_idx = pool_rows[row]
         spans.append(pool.req_to_token[pool_idx, start:match.matched].long())
         mamba_rows.append(pool_idx)
         lens.append(match.matched - start)
         reqs.append(req)
     if not spans:
         return None
-    mamba_slots = pool.get_mamba_indices(torch.stack(mamba_rows)).long()
+    mamba_slots = pool.get_mamba_indices(torch.tensor(mamba_rows, device=pool.req_to_token.device)).long()
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return ReplayBatch(torch.cat(spans), cu.to(mamba_slots.device), mamba_slots, lens, reqs)
@@ -73,14 +73,23 @@ def run(runner, store: HiddenStore, family: Family, batch: ReplayBatch, h2d_mode
         family.replay_group(model, pool, group, x, batch)
 
 
+def pool_rows_of(forward_batch) -> list[int]:
+    """The batch's request-pool rows, from the host copy SGLang keeps where it has one (no device read)."""
+    rows = forward_batch.req_pool_indices_cpu
+    return (rows if rows is not None else forward_batch.req_pool_indices).tolist()
+
+
 def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pending: PendingReplays,
                 config: TailReplayConfig, metrics=None) -> ReplayBatch | None:
-    rows = pending.take(forward_batch.req_pool_indices.tolist(), list(forward_batch.extend_prefix_lens_cpu))
+    if not len(pending):  # no hit since the last forward: nothing to do, and nothing read from the device
+        return None
+    pool_rows = pool_rows_of(forward_batch)
+    rows = pending.take(pool_rows, list(forward_batch.extend_prefix_lens_cpu))
     for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
         visibility.record_hit(req, match.anchor, survival=None if match.exact else 1.0)
         if metrics is not None:
             metrics.observe_hit(match.exact)
-    batch = plan(runner, forward_batch, rows, config) if rows else None
+    batch = plan(runner, pool_rows, rows, config) if rows else None
     if batch is None:
         return None
     start = time.perf_counter()

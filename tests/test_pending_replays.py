@@ -26,3 +26,30 @@ def test_a_match_that_is_not_the_extend_prefix_is_not_replayed():
     pending = PendingReplays()
     pending.add(req_pool_idx=1, match=Match(64, None), req="r")
     assert pending.take([1], [32]) == []
+
+
+class _DeviceRows:
+    """A batch's device-side row tensor that fails the test if the replay reads it."""
+
+    def tolist(self):
+        raise AssertionError("the replay read the batch's rows from the device")
+
+
+def test_an_extend_with_no_hit_pending_reads_nothing_from_the_device():
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.config import TailReplayConfig
+    from tailreplay_sglang.replay import run_pending
+
+    batch = SimpleNamespace(req_pool_indices=_DeviceRows(), req_pool_indices_cpu=None, extend_prefix_lens_cpu=[0])
+    assert run_pending(None, batch, None, None, PendingReplays(), TailReplayConfig(enabled=True)) is None
+
+
+def test_the_replay_takes_the_batch_rows_from_sglangs_host_copy():
+    import torch
+
+    from tailreplay_sglang.replay import pool_rows_of
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(req_pool_indices=_DeviceRows(), req_pool_indices_cpu=torch.tensor([4, 1]))
+    assert pool_rows_of(batch) == [4, 1]
