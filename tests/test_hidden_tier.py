@@ -36,7 +36,8 @@ def _fill(store: HiddenStore, seed: int) -> None:
             store.write_hidden(layer, slots, values)
 
 
-@pytest.mark.parametrize("h2d_mode", ["ser", "ovl"])
+# Only CUDA overlaps the load ("ovl"); on a CPU both modes run the same code, so one of them is enough.
+@pytest.mark.parametrize("h2d_mode", ["ser", "ovl"] if torch.cuda.is_available() else ["ser"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_host_tier_returns_exactly_what_the_device_tier_does(h2d_mode, dtype):
     stores = {tier: HiddenStore(LAYOUT, 64, dtype, DEVICE, tier) for tier in ("device", "host")}
