@@ -193,12 +193,15 @@ def test_evicted_anchors_fall_back_to_the_zero_init_tail_without_error_or_leak(s
     early = generate(srv, prompts[0][:550] + [5, 6], 2)["meta_info"]
     assert early["cached_tokens"] == 550
     assert early["tail_replay_exact"] is False and early["tail_replay_anchor"] is None
-    late = generate(srv, prompts[-1][:550] + [5, 6], 2)["meta_info"]
-    assert late["cached_tokens"] == 550 and late["tail_replay_exact"] is True
+    late_ids = prompts[-1][:550] + [5, 6]
+    late = scored(srv, late_ids, 550, 2)
+    assert late["meta"]["cached_tokens"] == 550 and late["meta"]["tail_replay_exact"] is True
+    assert late["meta"]["tail_replay_anchor"] is not None
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # hits and misses racing for slots and KV
         outs = list(pool.map(lambda i: generate(srv, prompts[i % 5][:500] + random_ids(300, seed=i), 3), range(8)))
     assert all(len(o["output_ids"]) == 3 for o in outs)
     assert pool_leaks(wait_idle(srv.base_url)) == []
+    assert_exact(late, no_cache(srv, late_ids, 550, 2))  # its anchor survived: exact, as the report says
 
 
 def test_anchors_never_take_the_slots_running_requests_need(servers):

@@ -70,7 +70,7 @@ def test_fresh_prompt_matches_hf_greedy(cold, hf_olmo_hybrid):
 
 def test_hit_from_a_kept_state_matches_hf_greedy(servers, hf_olmo_hybrid):
     """What a stock (no_buffer) hit is: the state kept where the first request's prefill ended, read back from the
-    mamba pool, and the extend after it; here on the anchored server (its request-end or chunk-end anchor)."""
+    mamba pool, nothing replayed, and the extend after it; here on the anchored server (its chunk-end anchor)."""
     model, tok = hf_olmo_hybrid
     srv = servers["default"]
     flush_cache(srv.base_url)
@@ -78,8 +78,9 @@ def test_hit_from_a_kept_state_matches_hf_greedy(servers, hf_olmo_hybrid):
     generate(srv, base, max_new_tokens=2)
     extended = base + tok(" who repaired the window?").input_ids
     out = generate(srv, extended, NEW)
-    assert out["meta_info"]["cached_tokens"] >= len(base) - 1
-    assert out["meta_info"]["tail_replay_exact"] is True
+    meta = out["meta_info"]
+    assert meta["cached_tokens"] >= len(base) - 1 and meta["tail_replay_exact"] is True
+    assert meta["tail_replay_anchor"] == meta["cached_tokens"] and meta["tail_replay_tokens"] == 0, meta
     assert out["output_ids"] == greedy_generate(model, extended, NEW)
 
 

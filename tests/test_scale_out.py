@@ -7,7 +7,7 @@ allows no more ranks than NUMA nodes (one here).
 import psutil
 import pytest
 
-from helpers import EXACT_FLAGS, Spec, generate, start_servers
+from helpers import EXACT_FLAGS, Spec, generate, start_server, start_servers
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -20,29 +20,31 @@ SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes 
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen35, tiny_qwen35_moe, tmp_path_factory):
-    """TP 2 replaying whole prefixes, dense and MoE; DP 2 with anchored replay (the defaults, interval anchors every
-    64 tokens, every span replayed rather than folded into the extend) on both ranks. Started together."""
+def tp_servers(tiny_qwen35, tiny_qwen35_moe, tmp_path_factory):
+    """TP 2 replaying whole prefixes, dense and MoE, started together."""
     yield from start_servers(tmp_path_factory, {
         "tp": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
         "tp_moe": Spec(tiny_qwen35_moe, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
-        "dp": Spec(tiny_qwen35, ("--enable-tail-replay", "--tail-replay-anchor-interval", "64",
-                                 "--tail-replay-fold-tokens", "0", "--dp-size", "2"), env=TWO_RANKS),
     })
 
 
+@pytest.fixture(scope="module")
+def dp_server(tiny_qwen35, tmp_path_factory):
+    """DP 2 with anchored replay (the defaults, interval anchors every 64 tokens, every span replayed rather than
+    folded into the extend) on both ranks. Started only for the DP tests, after the TP ones: SGLang's data-parallel
+    controller polls its sockets without sleeping, a whole core of two, which slowed every TP request about
+    twofold while it ran beside them (--sleep-on-idle quiets the schedulers only)."""
+    yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval",
+                            "64", "--tail-replay-fold-tokens", "0", "--dp-size", "2", env=TWO_RANKS)
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
-def tp(request, servers):
+def tp(request, tp_servers):
     """(TP 2 server, its HF reference): Qwen3.5 and Qwen3.5-MoE, whose MoE block leaves its TP sum to the layer
     (reduce_results=False) as the dense MLP's down projection does."""
     if request.param == "dense":
-        return servers["tp"], request.getfixturevalue("hf_qwen35")
-    return servers["tp_moe"], request.getfixturevalue("hf_qwen35_moe")
-
-
-@pytest.fixture(scope="module")
-def dp_server(servers):
-    return servers["dp"]
+        return tp_servers["tp"], request.getfixturevalue("hf_qwen35")
+    return tp_servers["tp_moe"], request.getfixturevalue("hf_qwen35_moe")
 
 
 def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp):
@@ -102,11 +104,11 @@ def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf_qwe
 
 
 @pytest.mark.parametrize("name", ["tp", "dp"])
-def test_each_rank_runs_on_its_own_core(name, servers):
+def test_each_rank_runs_on_its_own_core(name, request):
     """SGLang applies `SGLANG_CPU_OMP_THREADS_BIND` only through an AMX kernel; the CPU port applies it with torch
     (sglang_cpu_compat/threads.py). Unbound, two ranks on two cores run four spinning OpenMP threads and prefill ~10x
     slower."""
-    server = servers[name]
+    server = request.getfixturevalue("tp_servers")["tp"] if name == "tp" else request.getfixturevalue("dp_server")
     schedulers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                   if "scheduler" in p.name()]
     assert sorted(tuple(p.cpu_affinity()) for p in schedulers) == [(0,), (1,)]
