@@ -4,6 +4,7 @@ multi-turn / concurrent-hit / forked-program checks, a tensor error, and bench s
 in conftest.py; test modules import these with `from helpers import ...` (pytest puts tests/ on the import path, as
 it does for conftest.py)."""
 
+import ast
 import concurrent.futures
 import importlib.util
 import os
@@ -314,3 +315,14 @@ def check_concurrent_hits(server, model, tok, system_ids, new_tokens) -> None:
     for ids, out in zip(prompts, outs):
         assert out["meta_info"]["cached_tokens"] >= len(system_ids)
         assert out["output_ids"] == greedy_generate(model, ids, new_tokens)
+
+
+def hook_registry_callers(package) -> list[str]:
+    """Modules of a package folder that call `HookRegistry.register` themselves, relative to it."""
+    callers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "register" and getattr(node.value, "id", "") == \
+                    "HookRegistry":
+                callers.append(path.relative_to(package).as_posix())
+    return callers

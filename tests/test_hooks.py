@@ -3,7 +3,6 @@ SGLang: every target exists, every function resolves, no other module registers 
 reaches its hooks through the object they are bound to. The .pth import hook never breaks an import. The CPU
 port's table and import hooks are checked in tests/cpu_compat/test_compat_hooks.py."""
 
-import ast
 import pkgutil
 import types
 import warnings
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import hook_registry_callers
 from tailreplay_sglang import hooks
 from tailreplay_sglang.families import gdn
 from tailreplay_sglang.cache.anchors import IntervalAnchors
@@ -41,13 +41,7 @@ def test_a_row_is_bound_exactly_when_its_function_takes_the_runtime(hook):
 def test_no_other_module_registers_a_hook():
     """HookRegistry.register, register_radix_cache_backend and the registries are called from hooks.py only
     (through `hooks._register`), so the table cannot fall behind the code."""
-    callers = []
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "register" and getattr(node.value, "id", "") == \
-                    "HookRegistry":
-                callers.append(path.relative_to(PACKAGE).as_posix())
-    assert set(callers) == {"hooks.py"}
+    assert set(hook_registry_callers(PACKAGE)) == {"hooks.py"}
 
 
 def test_the_runtime_hooks_read_their_own_runtime():

@@ -2,7 +2,6 @@
 target exists and every function resolves; it registers through the plugin's `_register` only; its .pth import hooks
 serve only SGLang's CPU engine and never break an import."""
 
-import ast
 import inspect
 import pkgutil
 import types
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import hook_registry_callers
 from sglang_cpu_compat import hooks
 from tailreplay_sglang import hooks as plugin_hooks
 
@@ -42,13 +42,7 @@ def test_the_import_hooks_are_what_the_pth_file_installs(hook):
 
 def test_no_module_of_the_port_registers_a_hook_itself():
     """HookRegistry.register is reached only through the plugin's `hooks._register`, from the port's table."""
-    callers = []
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "register" and getattr(node.value, "id", "") == \
-                    "HookRegistry":
-                callers.append(path.relative_to(PACKAGE).as_posix())
-    assert callers == []
+    assert hook_registry_callers(PACKAGE) == []
 
 
 @pytest.mark.parametrize("cpu_engine, cpu_torch, disabled, served", [
