@@ -57,7 +57,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier)
     runtime.forward_stream = getattr(runner, "forward_stream", None)
     runtime.family.install_capture(model.layers, runtime.store)
-    _log_anchor_bytes(runtime, runner, layout)
+    _log_anchor_bytes(runtime, runner)
     if runtime.config.host_anchors:
         runtime.host_anchors = HostAnchors(runner.req_to_token_pool.mamba_pool, runtime.config.host_anchors)
         logger.info("Tail-Replay host anchors: %d states in host memory, %.1f MiB", runtime.config.host_anchors,
@@ -69,22 +69,19 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     return result
 
 
-def anchor_bytes(pool, layout: HybridLayout) -> int:
-    """Bytes of one mamba slot (conv + SSM state of every recurrent layer): what each anchor costs."""
-    total = 0
-    for layer_id in (i for g in layout.groups for i in g.recurrent_layers):
-        cache = pool.mamba2_layer_cache(layer_id)
-        total += sum(c[0].numel() * c.element_size() for c in cache.conv)
-        total += cache.temporal[0].numel() * cache.temporal.element_size()
-    return total
+def anchor_bytes(pool) -> int:
+    """Bytes of one mamba slot (conv + SSM state of every recurrent layer, `[layers, slots, ...]` each): what each
+    anchor costs."""
+    cache = pool.mamba_pool.mamba_cache
+    return sum(t[:, 0].numel() * t.element_size() for t in (*cache.conv, cache.temporal))
 
 
-def _log_anchor_bytes(runtime: TailReplayRuntime, runner, layout: HybridLayout) -> None:
+def _log_anchor_bytes(runtime: TailReplayRuntime, runner) -> None:
     config = runtime.config
     if not config.anchored:
         logger.info("Tail-Replay: anchored replay off (--tail-replay-exact-budget 0): no recurrent state is kept")
         return
-    per_anchor = anchor_bytes(runner.req_to_token_pool, layout)
+    per_anchor = anchor_bytes(runner.req_to_token_pool)
     interval = config.anchor_interval
     logger.info("Tail-Replay anchors: %d B per anchor (one mamba slot); interval %s%s", per_anchor,
                 interval or "off", f" = {per_anchor / interval:.0f} B per cached token" if interval else "")

@@ -1012,3 +1012,17 @@ def test_properties_catch_broken_component_bookkeeping(sglang_context, monkeypat
             run_machine(sglang_context, quick, machine)
         else:  # a test that spells the case out
             machine(sglang_context)
+
+
+def test_an_anchor_costs_one_slot_of_every_recurrent_layer(sglang_context):
+    """`lifecycle.anchor_bytes` (what the start-up log reports per anchor) against the pool's per-layer caches."""
+    from tailreplay_sglang.lifecycle import anchor_bytes
+
+    server_args, context = sglang_context
+    with use_context(context):
+        _, req_pool, _ = build_cache(server_args, ANCHORED_MODE, 8)
+    per_layer = [req_pool.mamba2_layer_cache(i) for i in LINEAR_LAYERS]
+    expected = sum(sum(c[0].numel() * c.element_size() for c in cache.conv)
+                   + cache.temporal[0].numel() * cache.temporal.element_size() for cache in per_layer)
+    assert anchor_bytes(req_pool) == expected > 0
+
