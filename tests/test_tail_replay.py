@@ -273,6 +273,12 @@ def test_openai_multi_turn_chat_reuses_the_conversation(server):
     for previous, usage in zip(usages, usages[1:]):
         # each turn reuses at least the previous turn's whole prompt
         assert usage["prompt_tokens_details"]["cached_tokens"] >= previous["prompt_tokens"]
+    # and the last turn, a hit on all the others, answers as the same server does with nothing cached
+    flush(server)
+    body = {"model": "default", "messages": messages[:-2], "max_tokens": 8, "temperature": 0}  # the last turn
+    reference = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert (reference["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert reference["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]
 
 
 def test_frontend_program_with_fork(server, hf_qwen35):
