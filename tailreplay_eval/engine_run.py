@@ -6,7 +6,8 @@ Its own process because `Engine.shutdown()` kills every child process of the pro
 `kill_process_tree(os.getpid(), include_parent=False)`), which in a test run would take the shared servers down too.
 
 SPEC: `model_path`, `keywords` (Engine keywords), `sampling_params`, and two workloads on a flushed cache:
-- `batch`: `{"first": ids, "batch": [ids, ...]}`: `first` alone, then the batch in one `generate` call;
+- `batch`: `{"first": ids, "batch": [ids, ...], "logprobs": {...}}`: `first` alone, then the batch in one
+  `generate` call with the `logprobs` keywords (`return_logprob`, `logprob_start_len`, `top_logprobs_num`), if any;
 - `conversation`: `{"start": ids, "turns": [ids, ...]}`: each turn appends its ids to the conversation so far
   (previous prompt + answer); turn 1 goes through `async_generate`.
 OUT: what each request reported (`output_ids`, `meta_info`), the Engine's child PIDs and which of them were still
@@ -35,7 +36,8 @@ def summary(out: dict) -> dict:
 def run_batch(engine, spec: dict, params: dict) -> list[dict]:
     flush(engine)
     first = engine.generate(input_ids=spec["first"], sampling_params=params)
-    return [summary(first), *map(summary, engine.generate(input_ids=spec["batch"], sampling_params=params))]
+    batch = engine.generate(input_ids=spec["batch"], sampling_params=params, **spec.get("logprobs", {}))
+    return [summary(first), *map(summary, batch)]
 
 
 def run_conversation(engine, spec: dict, params: dict) -> list[dict]:

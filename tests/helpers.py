@@ -7,9 +7,11 @@ it does for conftest.py)."""
 import ast
 import concurrent.futures
 import importlib.util
+import json
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,11 +58,37 @@ def load_bench(name: str):
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only SGLang plugin (fault injection)
 
 
-def faults_env(replay_delay_s: float) -> dict:
+def faults_env(replay_delay_s: float, events: Path | None = None) -> dict:
     """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
-    replay pass that ran is held for `replay_delay_s`."""
+    replay pass that ran is held for `replay_delay_s`, and logged to `events` (read with `FaultEvents`) first."""
     path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
+    env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
+    return {**env, "TAILREPLAY_FAULT_EVENTS": str(events)} if events else env  # its EVENTS_ENV
+
+
+class FaultEvents:
+    """The fault plugin's log of held replay passes: which requests each held, so a test waits for the hold it needs
+    instead of sleeping, and shows that the fault it names happened."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def held(self) -> list[list[str]]:
+        """The request ids of every held pass so far, oldest first."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line)["held"] for line in self.path.read_text().splitlines()]
+
+    def passes_holding(self, rid: str) -> list[list[str]]:
+        return [rids for rids in self.held() if rid in rids]
+
+    def wait_held(self, rid: str, timeout: float = 120.0) -> list[str]:
+        """Block until a pass holding `rid` has started (the plugin logs before it holds); its request ids."""
+        deadline = time.monotonic() + timeout
+        while not self.passes_holding(rid):
+            assert time.monotonic() < deadline, f"no replay pass held {rid} within {timeout} s"
+            time.sleep(0.005)
+        return self.passes_holding(rid)[0]
 
 
 def start_server(model_path, tmp_path_factory, *extra_args, env=None, **kwargs):
@@ -201,8 +229,13 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
 
 def scored(server, prompt, start, max_new=4, **extra) -> dict:
     """The request with log-probs of every prompt token from `start` on and of its outputs (teacher-forced, so a
-    near-tie in the greedy outputs cannot hide an error)."""
-    out = generate(server, prompt, max_new, return_logprob=True, logprob_start_len=start, top_logprobs_num=2, **extra)
+    near-tie in the greedy outputs cannot hide an error). SGLang matches a prefix only up to `start`."""
+    return scored_from(generate(server, prompt, max_new, return_logprob=True, logprob_start_len=start,
+                                top_logprobs_num=2, **extra))
+
+
+def scored_from(out: dict) -> dict:
+    """A `/generate` (or `Engine.generate`) answer asked for log-probs with top_logprobs_num=2, in `scored`'s form."""
     meta = out["meta_info"]
     lps = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
     prompt_len = len(lps)
@@ -280,7 +313,8 @@ def assert_exact(hit: dict, reference: dict) -> None:
 
 def run_forked_program(backend, system: str, question: str) -> list[dict]:
     """An SGLang frontend program (`sgl.function`) that forks 3 branches after `system + question`, run twice (the
-    first run's branches race in one prefill batch, so some miss); the second run's meta_info per branch."""
+    first run's branches race in one prefill batch, so some miss); per branch of the second run, its `meta` info,
+    the `prompt` text the branch sent and its `answer`."""
     import sglang as sgl
 
     @sgl.function
@@ -289,11 +323,29 @@ def run_forked_program(backend, system: str, question: str) -> list[dict]:
         forks = s.fork(3)
         for i, f in enumerate(forks):
             f += f" branch {i} says"
-            f += sgl.gen("answer", max_tokens=4, temperature=0)
-        return [f.get_meta_info("answer") for f in forks]
+            f += sgl.gen("answer", max_tokens=FORK_ANSWER_TOKENS, temperature=0)
+        return [{"meta": f.get_meta_info("answer"), "prompt": f.text()[:-len(f["answer"]) or None],
+                 "answer": f["answer"]} for f in forks]
 
     branches.run(question=question, backend=backend)
     return branches.run(question=question, backend=backend).ret_value
+
+
+FORK_ANSWER_TOKENS = 4
+
+
+def check_forked_program(server, branches: list[dict], prefix_len: int) -> None:
+    """Every branch of `run_forked_program` hit the shared prefix and answered as the server does with no cache."""
+    assert len(branches) == 3
+    for branch in branches:
+        assert branch["meta"]["cached_tokens"] >= prefix_len - 1, (branch["meta"], prefix_len)
+    for branch in branches:
+        flush_cache(server.base_url)
+        body = {"text": branch["prompt"], "sampling_params": {"max_new_tokens": FORK_ANSWER_TOKENS, "temperature": 0}}
+        r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+        r.raise_for_status()
+        assert r.json()["meta_info"]["cached_tokens"] == 0
+        assert r.json()["text"] == branch["answer"], branch
 
 
 def check_multi_turn(server, model, tok, turn1_text, new_tokens) -> None:

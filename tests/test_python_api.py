@@ -10,9 +10,8 @@ import sys
 
 import psutil
 import pytest
-import requests
 
-from helpers import EXACT_FLAGS, run_forked_program
+from helpers import EXACT_FLAGS, assert_exact, check_forked_program, no_cache, run_forked_program, scored_from
 from helpers import generate as http_generate
 from tailreplay_eval.server import CPU_ENV, flags_to_keywords, flush_cache
 from tailreplay_eval.server import CPU_KEYWORDS as SERVER_CPU_KEYWORDS
@@ -105,7 +104,8 @@ def engine_run(tiny_qwen35, tok_qwen35, tmp_path_factory):
     """The batch and conversation workloads through an Engine with EXACT_KEYWORDS, and how it shut down."""
     system = tok_qwen35(SYSTEM).input_ids
     spec = {"model_path": str(tiny_qwen35), "keywords": {**CPU_KEYWORDS, **EXACT_KEYWORDS}, "sampling_params": GREEDY,
-            "batch": {"first": system, "batch": [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)]},
+            "batch": {"first": system, "batch": [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)],
+                      "logprobs": {"return_logprob": True, "logprob_start_len": len(system), "top_logprobs_num": 2}},
             "conversation": {"start": system, "turns": _questions(tok_qwen35, TURNS)}}
     folder = tmp_path_factory.mktemp("engine")
     (folder / "spec.json").write_text(json.dumps(spec))
@@ -131,23 +131,17 @@ def _no_cache(server, ids) -> dict:
     return out
 
 
-def test_engine_shared_prefix_batch_hits_like_the_http_server(engine_run, exact_tail_replay_server, tok_qwen35):
+def test_engine_shared_prefix_batch_hits_and_answers_as_no_cache(engine_run, exact_tail_replay_server, tok_qwen35):
+    """The batch's hits against the HTTP server's own no-cache prefill of each prompt (same flags and weights): every
+    question token and output log-prob as close as stock's own hit, greedy outputs equal up to a near-tie."""
     system = engine_run["system"]
-    got = [_summary(o) for o in engine_run["batch"]]
-
-    flush_cache(exact_tail_replay_server.base_url)
-    want = [_summary(http_generate(exact_tail_replay_server, system, NEW))]
-    batch = [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)]
-    r = requests.post(f"{exact_tail_replay_server.base_url}/generate",
-                      json={"input_ids": batch, "sampling_params": GREEDY}, timeout=120)
-    r.raise_for_status()
-    want += [_summary(o) for o in r.json()]
-
-    assert got[0]["cached"] == 0
-    for hit in got[1:]:
-        assert hit["cached"] >= len(system) - 1 and hit["replayed"] == hit["cached"]  # ratio 1: the whole prefix
-        assert hit["exact"]
-    assert got == want
+    first, *hits = engine_run["batch"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    for hit, ids in zip(hits, [system + q for q in _questions(tok_qwen35, BATCH_QUESTIONS)], strict=True):
+        meta = hit["meta_info"]
+        assert meta["cached_tokens"] >= len(system) - 1 and meta["tail_replay_tokens"] == meta["cached_tokens"]
+        assert meta["tail_replay_exact"]
+        assert_exact(scored_from(hit), no_cache(exact_tail_replay_server, ids, len(system), NEW))
 
 
 @pytest.mark.server
@@ -186,10 +180,10 @@ def test_runtime_takes_the_keywords_and_a_forked_program_hits(tiny_qwen35, tok_q
     runtime = sgl.Runtime(model_path=str(tiny_qwen35), **CPU_KEYWORDS, **EXACT_KEYWORDS)
     pid = runtime.pid
     try:
-        metas = run_forked_program(runtime, SYSTEM, "what happened?")
-        prefix_len = len(tok_qwen35(SYSTEM + " what happened?").input_ids)
-        assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), metas
-        assert all(m["tail_replay_tokens"] == m["cached_tokens"] for m in metas), metas  # ratio 1 reached it
+        branches = run_forked_program(runtime, SYSTEM, "what happened?")
+        assert all(b["meta"]["tail_replay_tokens"] == b["meta"]["cached_tokens"] for b in branches)  # ratio 1
+        check_forked_program(argparse.Namespace(base_url=runtime.url), branches,
+                             len(tok_qwen35(SYSTEM + " what happened?").input_ids))
     finally:
         process = psutil.Process(pid)
         tree = [process, *process.children(recursive=True)]

@@ -3,7 +3,8 @@
 The server replays whole prefixes (`--tail-replay-mode full`, float32 hiddens), so every output must equal the same
 prompt served with no cache hit, whatever happened around it. Its KV pool is small (1536 tokens) so the tree evicts
 constantly, and every replay pass is held for REPLAY_DELAY_S (fault injection) so that aborts, evictions and new
-arrivals land while a replay runs. After each test the pools are read back (`/server_info`, see
+arrivals land while a replay runs; the plugin logs each held pass's requests, so the fault tests wait for the hold
+they need and show that their fault happened. After each test the pools are read back (`/server_info`, see
 `tailreplay_sglang/pool_report.py`): nothing leaked, nothing stays locked.
 
 The soak runs `--soak-requests` requests (150 by default); the long version is
@@ -17,7 +18,7 @@ import time
 import pytest
 import requests
 
-from helpers import faults_env, generate, generate_response, start_server
+from helpers import FaultEvents, faults_env, generate, generate_response, start_server
 from soak import SoakConfig, check_against_no_cache, pool_leaks, pools, run_soak, wait_idle
 from tailreplay_eval.server import flush_cache
 
@@ -35,20 +36,26 @@ FLAGS = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-repl
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen35, tmp_path_factory):
+def events(tmp_path_factory) -> FaultEvents:
+    return FaultEvents(tmp_path_factory.mktemp("faults") / "held.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen35, tmp_path_factory, events):
     yield from start_server(tiny_qwen35, tmp_path_factory, *FLAGS, max_total_tokens=POOL_TOKENS,
-                            env=faults_env(REPLAY_DELAY_S))
+                            env=faults_env(REPLAY_DELAY_S, events.path))
 
 
-def test_the_fault_plugin_holds_replays(server):
-    """The fault injection the tests below rely on is in effect: SGLang loaded the test plugin, whose hook holds a
-    replay pass for REPLAY_DELAY_S."""
+def test_the_fault_plugin_holds_replays(server, events):
+    """The fault injection the tests below rely on is in effect: SGLang loaded the test plugin, whose hook logs a
+    replay pass's requests and holds it for REPLAY_DELAY_S."""
     ids = random_ids(200, seed=99)
     generate(server, ids, 1)
     start = time.perf_counter()
-    out = generate(server, ids + [1, 2], 1)
+    out = generate(server, ids + [1, 2], 1, rid="held-once")
     assert out["meta_info"]["tail_replay_tokens"] > 0
     assert time.perf_counter() - start >= REPLAY_DELAY_S
+    assert events.passes_holding("held-once") == [["held-once"]]
 
 
 @pytest.fixture(autouse=True)
@@ -129,11 +136,11 @@ def test_streamed_bad_id_ends_the_stream_with_a_400_error(server):
 
 # ---- faults around a replay ----
 
-def test_abort_while_the_replay_runs(server):
+def test_abort_while_the_replay_runs(server, events):
     prefix = random_ids(500, seed=1)
     generate(server, prefix, max_new_tokens=1)
     hit = in_background(generate, server, prefix + [7, 8, 9], max_new_tokens=40, rid="abort-in-replay")
-    time.sleep(REPLAY_DELAY_S / 2)  # the hit was scheduled at once; its replay pass now sleeps
+    events.wait_held("abort-in-replay")  # its replay pass ran and is held: the abort arrives during it
     out = abort_until_done(server, "abort-in-replay", hit)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 40
@@ -143,45 +150,50 @@ def test_abort_while_the_replay_runs(server):
     assert again["output_ids"] == no_cache(server, prefix + [7, 8, 9], max_new=12)
 
 
-def test_abort_while_queued_behind_a_replay(server):
+def test_abort_while_queued_behind_a_replay(server, events):
     prefix = random_ids(400, seed=2)
     generate(server, prefix, max_new_tokens=1)
-    first = in_background(generate, server, prefix + [1], max_new_tokens=6)
-    time.sleep(REPLAY_DELAY_S / 3)  # the first hit's replay holds the scheduler; the next one waits in the queue
+    first = in_background(generate, server, prefix + [1], max_new_tokens=6, rid="replayed-first")
+    events.wait_held("replayed-first")  # the first hit's replay holds the scheduler; the next one waits in the queue
     queued = in_background(generate, server, prefix + [2], max_new_tokens=6, rid="abort-queued")
     assert abort_until_done(server, "abort-queued", queued)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert events.passes_holding("abort-queued") == []  # aborted while queued: it never reached a replay
     assert first.result(timeout=120)["output_ids"] == no_cache(server, prefix + [1], max_new=6)
 
 
-def test_two_requests_replay_the_same_prefix_in_one_batch(server):
+def test_two_requests_replay_the_same_prefix_in_one_batch(server, events):
     prefix = random_ids(450, seed=3)
     generate(server, prefix, max_new_tokens=1)
-    blocker = in_background(generate, server, prefix + [9], max_new_tokens=1)  # its replay pass holds the scheduler ...
-    time.sleep(REPLAY_DELAY_S / 3)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # ... so these two queue up and are batched together
-        outs = list(pool.map(lambda s: generate(server, prefix + s, max_new_tokens=10), ([11, 12], [13])))
+    blocker = in_background(generate, server, prefix + [9], max_new_tokens=1, rid="pair-blocker")
+    events.wait_held("pair-blocker")  # its replay pass holds the scheduler, so the two below queue up together
+    suffixes, rids = ([11, 12], [13]), ["pair-0", "pair-1"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda s, rid: generate(server, prefix + s, max_new_tokens=10, rid=rid), suffixes, rids))
     blocker.result(timeout=120)
     for out in outs:
         assert out["meta_info"]["cached_tokens"] >= len(prefix)
         assert out["meta_info"]["tail_replay_tokens"] >= len(prefix)
-    assert outs[0]["meta_info"]["tail_replay_ms"] == outs[1]["meta_info"]["tail_replay_ms"]  # one replay pass
-    assert [o["output_ids"] for o in outs] == [no_cache(server, prefix + s, max_new=10) for s in ([11, 12], [13])]
+    assert events.passes_holding("pair-0") == [rids] or events.passes_holding("pair-0") == [rids[::-1]]  # one pass
+    assert [o["output_ids"] for o in outs] == [no_cache(server, prefix + s, max_new=10) for s in suffixes]
 
 
-def test_hit_whose_prefix_is_evicted_before_it_runs(server):
+def test_hit_whose_prefix_is_evicted_before_it_runs(server, events):
     prefix, big = random_ids(500, seed=4), random_ids(1300, seed=5)
     flush_cache(server.base_url)
     generate(server, prefix, max_new_tokens=1)
     evicted_before = pools(server.base_url)["evicted_tokens"]
-    blocker = in_background(generate, server, prefix + [3], max_new_tokens=1)
-    time.sleep(REPLAY_DELAY_S / 3)
-    # queued behind the blocker: `big` needs nearly the whole pool, so admitting it evicts the cached prefix that
-    # the hit matched while it waited
-    big_out = in_background(generate, server, big, max_new_tokens=2)
-    time.sleep(0.02)
-    hit = generate(server, prefix + [4, 5], max_new_tokens=10)
-    big_out.result(timeout=120), blocker.result(timeout=120)
+    blocker = in_background(generate, server, prefix + [3], max_new_tokens=1, rid="evict-blocker")
+    events.wait_held("evict-blocker")
+    # queued behind the blocker in this order (one batch request: SGLang queues its members in order, first come
+    # first served): `big` needs nearly the whole pool, so admitting it evicts the prefix the hit matched while waiting
+    body = {"input_ids": [big, prefix + [4, 5]], "rid": ["evict-big", "evict-hit"],
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=120)
+    r.raise_for_status()
+    hit = r.json()[1]
+    blocker.result(timeout=120)
     assert pools(server.base_url)["evicted_tokens"] > evicted_before
+    assert hit["meta_info"]["cached_tokens"] < len(prefix)  # the eviction took the hit's prefix before it ran
     assert hit["output_ids"] == no_cache(server, prefix + [4, 5], max_new=10)
 
 

@@ -1,17 +1,21 @@
 """Test-only SGLang plugin: fault injection for the reliability tests, kept out of the package.
 
 SGLang finds it through the `sglang.srt.plugins` entry point in the dist-info beside it, in every process of a server
-started with this folder on PYTHONPATH (`tests/helpers.py: FAULTS_ENV`). With `TAILREPLAY_FAULT_REPLAY_DELAY_S` set
+started with this folder on PYTHONPATH (`tests/helpers.py: faults_env`). With `TAILREPLAY_FAULT_REPLAY_DELAY_S` set
 it holds every replay pass that ran for that long, so that aborts, evictions and new arrivals land while a replay is
-in flight. With `TAILREPLAY_FAULT_DROP_MODEL_ATTR` set to a path below a decoder layer (`linear_attn.norm`), that
-attribute is deleted from the class that owns it once the model is loaded, as a renamed SGLang model internal would
-be missing.
+in flight; with `TAILREPLAY_FAULT_EVENTS` naming a file it appends a JSON line per held pass before holding it
+(`{"held": [rid, ...], "t": time.time()}`), so a test waits for the hold it needs and shows that it happened (the
+`FaultEvents` helper in tests/helpers.py). With `TAILREPLAY_FAULT_DROP_MODEL_ATTR` set to a path below a decoder
+layer (`linear_attn.norm`), that attribute is deleted from the class that owns it once the model is loaded, as a
+renamed SGLang model internal would be missing.
 """
 
+import json
 import os
 import time
 
 DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
+EVENTS_ENV = "TAILREPLAY_FAULT_EVENTS"
 TARGET = "tailreplay_sglang.replay.run_pending"  # returns the replayed batch, or None when nothing ran
 DROP_ENV = "TAILREPLAY_FAULT_DROP_MODEL_ATTR"
 LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"  # the model is loaded; pools next
@@ -26,8 +30,13 @@ def register() -> None:
     if delay <= 0:
         return
 
+    events = os.environ.get(EVENTS_ENV)
+
     def hold_replay(result, *args, **kwargs):
         if result is not None:
+            if events:
+                with open(events, "a") as f:  # one write of one line: readers never see half of it
+                    f.write(json.dumps({"held": [req.rid for req in result.reqs], "t": time.time()}) + "\n")
             time.sleep(delay)
         return result
 
