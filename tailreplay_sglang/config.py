@@ -129,6 +129,11 @@ class TailReplayConfig:
         """Whether anchors are kept and used at all (exact budget not 0)."""
         return self.exact_budget != 0
 
+    @property
+    def interval_anchors(self) -> bool:
+        """Whether prefills keep anchors every `anchor_interval` tokens (read from SGLang's prefill kernels)."""
+        return self.anchored and self.anchor_interval > 0
+
     def budget(self, matched: int) -> int:
         """Most tokens an anchored (exact) replay of a `matched`-token hit may take."""
         if self.exact_budget is not None:

@@ -148,5 +148,8 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
     it can be checked, failing closed, that they all took effect and that SGLang's resolved configuration is one
     Tail-Replay supports (`supported.py`)."""
     supported.check_resolved(ctx.server_args)
+    if runtime.interval_anchors is not None:
+        supported.check_anchor_prefill(runtime.family, getattr(ctx.tp_worker.model_runner, "linear_attn_backends",
+                                                               None))
     hooks.verify_applied(runtime)
     return create_tail_replay_cache(runtime, ctx)

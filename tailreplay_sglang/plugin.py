@@ -81,21 +81,30 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
         layout = HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
     except ValueError as e:
         raise TailReplayConfigError(str(e)) from None
-    return _for_mixer(cfg, layout)
+    return _for_mixer(cfg, layout, getattr(args, "linear_attn_prefill_backend", None))
 
 
-def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout) -> TailReplayConfig:
+def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout, prefill_backend: str | None = None) -> TailReplayConfig:
     """Interval anchors are taken on the grid of the family's chunked prefill (`Family.anchor_grid`): the interval
-    must be a multiple of it, or no anchor would fall on the grid."""
-    if not cfg.anchored or not cfg.anchor_interval:
+    must be a multiple of it, or no anchor would fall on the grid; and their states are read from that prefill's
+    kernel, so a linear-attention prefill backend that returns none is refused."""
+    if not cfg.interval_anchors:
         return cfg
     from tailreplay_sglang.families import family_for
 
-    grid = family_for(layout).anchor_grid(layout)
+    family = family_for(layout)
+    grid = family.anchor_grid(layout)
     if cfg.anchor_interval % grid:
         raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: this model's chunked "
                                     f"prefill works in chunks of {grid} tokens and anchors are taken on that grid: "
                                     f"use a multiple of {grid}")
+    readable = family.anchor_prefill_backends
+    if readable is not None and prefill_backend not in (None, *readable):
+        raise TailReplayConfigError(
+            f"--linear-attn-prefill-backend {prefill_backend}: Tail-Replay reads this {family.name} model's interval "
+            f"anchors from the per-chunk states of the {' or '.join(readable)} prefill, which {prefill_backend} does "
+            f"not return. Drop the flag ({ANCHOR_PREFILL_BACKEND} is then selected) or turn interval anchors off "
+            f"with --tail-replay-anchor-interval 0")
     return cfg
 
 
@@ -158,23 +167,34 @@ def around_from_cli_args(original, cls, args, *rest, **kwargs):
     except TailReplayConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    backend = hand_off(cfg)
-    if backend is not None:
-        args.radix_cache_backend = backend
+    for name, value in hand_off(cfg, args).items():
+        setattr(args, name, value)
     return original(cls, args, *rest, **kwargs)
 
 
-def hand_off(cfg: TailReplayConfig) -> str | None:
+# The linear-attention prefill whose per-chunk states the GDN and KDA interval anchors are read from. Left unset,
+# SGLang picks FlashInfer's GDN prefill on SM90/SM100 (gdn_backend.flashinfer_gdn_prefill_default) and its KDA
+# prefill on SM100 (kda_backend.flashinfer_kda_prefill_default); neither returns those states.
+ANCHOR_PREFILL_BACKEND = "triton"
+
+
+def hand_off(cfg: TailReplayConfig, args) -> dict:
     """Give a validated config to the scheduler processes (spawned with this environment; written also when
-    disabled, so a stock server after a Tail-Replay one in the same process stays stock). Returns the radix cache
-    backend SGLang must be given, or None when Tail-Replay is off."""
+    disabled, so a stock server after a Tail-Replay one in the same process stays stock). Returns the ServerArgs
+    fields SGLang must be given ({} when Tail-Replay is off): our radix cache backend and, with interval anchors, the
+    prefill backend they are read from where the user chose none (a chosen one was checked by `_for_mixer`)."""
     cfg.to_env()
     if not cfg.enabled:
-        return None
+        return {}
     from tailreplay_sglang.cache.component import RADIX_CACHE_BACKEND  # SGLang's cache modules: only when enabled
 
     logger.info("Tail-Replay enabled: %s", cfg)
-    return RADIX_CACHE_BACKEND
+    fields = {"radix_cache_backend": RADIX_CACHE_BACKEND}
+    if cfg.interval_anchors and getattr(args, "linear_attn_prefill_backend", None) is None:
+        fields["linear_attn_prefill_backend"] = ANCHOR_PREFILL_BACKEND
+        logger.info("Tail-Replay: --linear-attn-prefill-backend %s (interval anchors are read from its per-chunk "
+                    "states; SGLang's FlashInfer GDN/KDA prefill on SM90/SM100 returns none)", ANCHOR_PREFILL_BACKEND)
+    return fields
 
 
 def register() -> None:

@@ -5,7 +5,8 @@ Both build SGLang's `ServerArgs` from their keywords, and `ServerArgs` is a msgs
 SGLang's own field namespaces: no plugin can add a field to it. So our keywords are taken off the call before it is
 built, validated by the same code and with the same messages as the command-line flags (`plugin.config_from_args`),
 and handed on as the launcher hands the flags on: the config through the environment to the spawned scheduler
-processes, and `radix_cache_backend` set to ours.
+processes, and the ServerArgs fields Tail-Replay sets (`plugin.hand_off`: `radix_cache_backend`, the linear-attention
+prefill backend) given to SGLang.
 
 Why not an SGLang plugin hook: `Engine.__init__` loads plugins only once it is already running, so a hook on it would
 miss the first Engine of a process, and `Runtime.__init__` never loads them in the caller's process. The wrapper is
@@ -37,12 +38,12 @@ def take_keywords(kwargs: dict, positional: tuple = ()) -> dict:
 
     ours = {k: kwargs.pop(k) for k in KEYWORDS if k in kwargs}
     server_args = kwargs.get("server_args")
-    backend = hand_off(config_from_args(_ArgsView(ours, server_args if server_args is not None else kwargs,
-                                                  positional)))
-    if backend is not None and server_args is None:
-        kwargs["radix_cache_backend"] = backend
-    elif backend is not None:
-        _set_backend(server_args, backend)
+    args = _ArgsView(ours, server_args if server_args is not None else kwargs, positional)
+    for name, value in hand_off(config_from_args(args), args).items():
+        if server_args is None:
+            kwargs[name] = value
+        else:
+            _set_field(server_args, name, value)
     return kwargs
 
 
@@ -63,11 +64,11 @@ class _ArgsView(argparse.Namespace):
         return getattr(rest, name, None)
 
 
-def _set_backend(server_args, backend: str) -> None:
+def _set_field(server_args, name: str, value) -> None:
     from tailreplay_sglang.config import TailReplayConfigError
 
     try:
-        server_args.radix_cache_backend = backend
+        setattr(server_args, name, value)
     except AttributeError as e:  # SGLang seals a ServerArgs once it is resolved
         raise TailReplayConfigError(f"enable_tail_replay needs a ServerArgs that is not resolved yet ({e})") from None
 

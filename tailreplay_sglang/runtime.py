@@ -47,8 +47,8 @@ class TailReplayRuntime:
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
         """The runtime of a scheduler process; interval anchors unless the budget or the interval is 0."""
-        wants_intervals = config.anchored and config.anchor_interval > 0
-        return cls(config, interval_anchors=IntervalAnchors(config.anchor_interval) if wants_intervals else None)
+        planner = IntervalAnchors(config.anchor_interval) if config.interval_anchors else None
+        return cls(config, interval_anchors=planner)
 
     def count_evicted_anchor(self) -> None:
         self.evicted_anchors += 1

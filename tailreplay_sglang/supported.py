@@ -1,10 +1,12 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Three checks, each raising with a message that names what to change:
+Four checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
   and tested for; the command-line checks in `plugin.config_from_args` see only what was typed;
+- `check_anchor_prefill` (scheduler, same point): the linear-attention prefill kernel the model runner resolved is
+  one the interval anchors are read from;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
 """
@@ -77,6 +79,22 @@ def unsupported(server_args) -> list[str]:
         if value not in allowed:
             problems.append(f"{flag} (is {value!r}; supported: {' or '.join(repr(a) for a in allowed)}): {why}")
     return problems
+
+
+def check_anchor_prefill(family, backends) -> None:
+    """The linear-attention prefill kernel the model runner resolved (`runner.linear_attn_backends`, after SGLang's
+    own per-GPU default) is one whose per-chunk states the family's interval-anchor hooks read: otherwise every
+    anchor planned would be dropped after live ones were evicted for it. The launcher pins it (`plugin.hand_off`);
+    this catches whatever changed it since."""
+    readable = getattr(family, "anchor_prefill_backends", None)
+    if readable is None or backends is None:
+        return
+    resolved = getattr(backends.prefill, "value", backends.prefill)
+    if resolved not in readable:
+        raise UnsupportedConfigError(
+            f"--linear-attn-prefill-backend (resolved {resolved!r}; supported: {' or '.join(map(repr, readable))}): "
+            f"Tail-Replay's {family.name} interval anchors are read from that kernel's per-chunk states; set it, or "
+            f"--tail-replay-anchor-interval 0")
 
 
 def check_resolved(server_args) -> None:

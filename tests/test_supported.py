@@ -63,3 +63,74 @@ def test_only_the_pinned_sglang_release():
     assert sglang.__version__ == SGLANG_VERSION
     with pytest.raises(UnsupportedConfigError, match="sglang==0.5.23"):
         check_version("0.5.24")
+
+
+# ---- the linear-attention prefill the interval anchors are read from (issue 38 item 2) ----
+
+def _launcher_fields(model_path, *flags) -> tuple[dict, object]:
+    """What the launcher hands SGLang for these flags (`plugin.hand_off`), and the parsed arguments."""
+    import argparse
+
+    from tailreplay_sglang.plugin import add_cli_args, config_from_args, hand_off
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path")
+    parser.add_argument("--linear-attn-prefill-backend")
+    add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(model_path), "--enable-tail-replay", *flags])
+    return hand_off(config_from_args(args), args), args
+
+
+def _resolved_prefill(sglang_default: str, **fields) -> str:
+    """SGLang's linear-attention backend resolution (`resolve_linear_attn_backends`) in a scheduler context built
+    from these ServerArgs fields, given the per-GPU default its registry computed (`flashinfer_gdn_prefill_default`
+    returns "flashinfer" on SM90 for Qwen3.5's 128-wide heads with an fp32 state pool)."""
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    with use_context(create_context(ServerArgs(model_path="dummy", **fields), role="scheduler")):
+        return resolve_linear_attn_backends(prefill_default=sglang_default)
+
+
+def test_interval_anchors_keep_sm90s_gdn_prefill_on_triton(tiny_qwen35):
+    from tailreplay_sglang.families.gdn import FAMILY
+    from tailreplay_sglang.supported import check_anchor_prefill
+
+    fields, _ = _launcher_fields(tiny_qwen35)
+    assert fields["linear_attn_prefill_backend"] == "triton"
+    pinned = _resolved_prefill("flashinfer", linear_attn_prefill_backend=fields["linear_attn_prefill_backend"])
+    assert pinned.prefill.value == "triton"
+    check_anchor_prefill(FAMILY, pinned)
+    # without the pin SGLang's SM90 default wins, and the scheduler's check refuses it before any anchor is planned
+    unpinned = _resolved_prefill("flashinfer")
+    assert unpinned.prefill.value == "flashinfer"
+    with pytest.raises(UnsupportedConfigError, match=r"--linear-attn-prefill-backend \(resolved 'flashinfer'"):
+        check_anchor_prefill(FAMILY, unpinned)
+
+
+def test_no_interval_anchors_leave_the_prefill_backend_to_sglang(tiny_qwen35):
+    assert "linear_attn_prefill_backend" not in _launcher_fields(tiny_qwen35, "--tail-replay-anchor-interval", "0")[0]
+    assert "linear_attn_prefill_backend" not in _launcher_fields(tiny_qwen35, "--tail-replay-exact-budget", "0")[0]
+    fields, _ = _launcher_fields(tiny_qwen35, "--tail-replay-anchor-interval", "0",
+                                 "--linear-attn-prefill-backend", "flashinfer")
+    assert "linear_attn_prefill_backend" not in fields
+
+
+def test_a_chosen_prefill_backend_without_anchor_states_is_refused_naming_the_flag(tiny_qwen35, tiny_kimi_linear):
+    from tailreplay_sglang.config import TailReplayConfigError
+
+    for model in (tiny_qwen35, tiny_kimi_linear):
+        with pytest.raises(TailReplayConfigError, match="--linear-attn-prefill-backend flashinfer: .*interval "
+                                                        "anchors .*--tail-replay-anchor-interval 0"):
+            _launcher_fields(model, "--linear-attn-prefill-backend", "flashinfer")
+    fields, _ = _launcher_fields(tiny_qwen35, "--linear-attn-prefill-backend", "triton")
+    assert "linear_attn_prefill_backend" not in fields  # the user's own triton stands
+
+
+def test_mamba2_anchors_do_not_depend_on_the_linear_attention_backend(tiny_nemotron_h):
+    from tailreplay_sglang.families.mamba2 import FAMILY
+    from tailreplay_sglang.supported import check_anchor_prefill
+
+    _launcher_fields(tiny_nemotron_h, "--linear-attn-prefill-backend", "flashinfer")  # accepted
+    check_anchor_prefill(FAMILY, _resolved_prefill("flashinfer"))

@@ -38,6 +38,9 @@ class Family:
     # A replayed hit's state at its match end can be kept as an anchor (offset 0 of its extend): true where the
     # prefill's per-chunk states start at every sequence's first token.
     anchor_at_replay_end: bool = True
+    # SGLang's linear-attention prefill backends (`--linear-attn-prefill-backend`) whose per-chunk states the
+    # family's interval-anchor hooks read; None where the family's prefill does not go through that choice (Mamba2).
+    anchor_prefill_backends: tuple[str, ...] | None = None
 
     def anchor_grid(self, layout) -> int:
         """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""

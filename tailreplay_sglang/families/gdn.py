@@ -30,6 +30,7 @@ _FEED_FORWARD = ("mlp", "post_attention_layernorm")
 
 class GdnFamily(Family):
     name = "gdn"
+    anchor_prefill_backends = ("triton",)  # write_anchor_ssm_states wraps the Triton chunk kernel
 
     def install_capture(self, layers, store) -> list:
         return capture.at_mixer_inputs(layers, store, "linear_attn")

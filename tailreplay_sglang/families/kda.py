@@ -28,6 +28,7 @@ _MIXER = ("do_fuse_qkvbfg", "o_norm", "o_proj", "head_dim", "attn.conv_weights",
 
 class KdaFamily(Family):
     name = "kda"
+    anchor_prefill_backends = ("triton",)  # write_anchor_ssm_states wraps TritonKDAKernel.extend
 
     def install_capture(self, layers, store) -> list:
         return capture.at_stage_boundaries(layers, store, lambda layer: layer.attn_boundary)
