@@ -86,9 +86,13 @@ RUNTIME = (
          f"{_PKG}.lifecycle:mark_pending",
          "the first point where a matched Req has its request-pool row and final prefix_len: the hit becomes a "
          "pending replay, and the batch's interval anchors are planned", bound=True),
+    Hook(f"{_SRT}.managers.scheduler.Scheduler.get_new_batch_prefill", "after",
+         f"{_PKG}.lifecycle:release_staged_anchors",
+         "the batch is formed and holds its copy-on-write sources: the anchors its hits were matched to (and those "
+         "of hits not admitted) are released", bound=True),
     Hook(f"{_RUNNER}._maybe_execute_deferred_mamba_cow_and_clear", "after", f"{_PKG}.lifecycle:replay_after_clear",
-         "SGLang zeroes new slots here on the forward stream: the replay writes after that clear and before the "
-         "extend reads the pool", bound=True),
+         "SGLang zeroes new slots and copies device anchors into hits' slots here, on the forward stream: host "
+         "anchors are copied in and the replay writes after that, before the extend reads the pool", bound=True),
     Hook(f"{_SRT}.managers.scheduler_components.internal_state.SchedulerInternalStateController"
          ".get_internal_state", "after", f"{_PKG}.pool_report:add_to_internal_state",
          "pool readback in /server_info (tail_replay_pools) for tests and the soak run", bound=True),

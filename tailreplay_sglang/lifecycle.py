@@ -2,15 +2,18 @@
 hooks. Each takes the process's `TailReplayRuntime` first; `hooks.py` binds it and registers them.
 
 Lifecycle of a hit:
-1. the radix cache matches any token boundary, copies the deepest kept state (anchor) within the exact budget into
-   the request's slot and marks the request (`cache/component.py`);
+1. the radix cache matches any token boundary, gives the request a slot for the deepest kept state (anchor) within
+   the exact budget, holds that anchor and marks the request (`cache/component.py`, `cache/anchor_copy.py`);
 2. `ScheduleBatch.prepare_for_extend` (after): marked requests, now with a request-pool row and their final
    prefix length, become pending replays; the batch's interval anchors are planned (`mark_pending`);
-3. `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` (after SGLang cleared the new slots): the pending
-   replays of the batch run as one varlen pass (`replay.py`), then the extend continues from the prefix;
-4. during every forward the family's capture keeps the hidden store current (`capture.py`), and its hooks on the
+3. `Scheduler.get_new_batch_prefill` (after): the batch holds its copy sources, so the anchors are released
+   (`release_staged_anchors`);
+4. `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` (after SGLang cleared the new slots and copied the
+   device anchors into them): host anchors are copied in, the pending replays of the batch run as one varlen pass
+   (`replay.py`), then the extend continues from the prefix;
+5. during every forward the family's capture keeps the hidden store current (`capture.py`), and its hooks on the
    prefill kernels write the planned interval anchors (`families/`);
-5. `checkpoint_into_tree` (after): the interval anchors enter the tree.
+6. `checkpoint_into_tree` (after): the interval anchors enter the tree.
 The hidden store is sized with the KV pool and charged to its per-token cell size, so fewer tokens fit.
 """
 
@@ -105,6 +108,12 @@ def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
     return result
 
 
+def release_staged_anchors(runtime: TailReplayRuntime, plan, scheduler, *args, **kwargs):
+    batch = plan.batch_to_run
+    runtime.staged_anchors.release(scheduler.tree_cache, runtime.host_anchors, batch.reqs if batch is not None else ())
+    return plan
+
+
 def insert_interval_anchors(runtime: TailReplayRuntime, result, cache, req, *args, **kwargs):
     runtime.interval_anchors.commit(cache, req)
     return result
@@ -119,6 +128,7 @@ def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch
     """The batch's replays, before its extend. Interval anchors are paused meanwhile: a replay that goes through a
     hooked kernel runs on the same slots as the extend the anchors are planned for."""
     if runtime.store is not None and forward_batch.forward_mode.is_extend():
+        runtime.staged_anchors.restore_host(runtime.host_anchors, runner.req_to_token_pool)
         anchors = runtime.interval_anchors
         with anchors.paused() if anchors is not None else contextlib.nullcontext():
             replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending, runtime.config,

@@ -8,6 +8,8 @@ What it holds, and who fills it:
 - `config`: the validated flags (`config.TailReplayConfig`), fixed at creation;
 - `pending`: hits between their match and their replay (`cache.pending`), written by the cache component and the
   `prepare_for_extend` hook, taken by the replay hook;
+- `staged_anchors`: the anchors hits were matched to, held until their state is copied in the forward
+  (`cache.anchor_copy`), written by the cache component, released by the `get_new_batch_prefill` hook;
 - `interval_anchors`: the anchor planner, whose plan the prefill hooks fill (None without interval anchors);
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
 - `family`: the model's recurrent family (`families/`), bound to the loaded model with the store;
@@ -20,6 +22,7 @@ What it holds, and who fills it:
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tailreplay_sglang.cache.anchor_copy import StagedAnchors
 from tailreplay_sglang.cache.anchors import IntervalAnchors
 from tailreplay_sglang.cache.request import PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 class TailReplayRuntime:
     config: TailReplayConfig
     pending: PendingReplays = field(default_factory=PendingReplays)
+    staged_anchors: StagedAnchors = field(default_factory=StagedAnchors)
     interval_anchors: IntervalAnchors | None = None
     store: "HiddenStore | None" = None
     family: "Family | None" = None

@@ -69,6 +69,7 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
+from tailreplay_sglang.cache.anchor_copy import StagedAnchors
 from tailreplay_sglang.cache.component import TailReplayMambaComponent, create_tail_replay_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
 from tailreplay_sglang.cache.request import TAINT_ATTR, Match, is_exact, peek, state_of
@@ -232,6 +233,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def forward(self, req, match=None) -> None:
         """The model's part of a forward of `req` (nothing to do in the paper's mode: no state is ever kept)."""
 
+    def overwrite_states(self, slots) -> None:
+        """Other requests' forwards write these slots (nothing to model in the paper's mode)."""
+
     def check_evicted_states(self, result) -> None:
         assert result.mamba_num_evicted == 0, "evicted a mamba state from a tree that holds none"
 
@@ -242,6 +246,25 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         return []
 
     # ---- helpers ----
+
+    @property
+    def runtime(self) -> TailReplayRuntime:
+        return next(c for c in self.cache._components_tuple if isinstance(c, TailReplayMambaComponent)).runtime
+
+    def release_staged(self, admitted) -> None:
+        """Scheduler.get_new_batch_prefill returned (lifecycle.release_staged_anchors)."""
+        self.runtime.staged_anchors.release(self.cache, self.runtime.host_anchors, admitted)
+
+    def others_take_the_free_slots(self) -> None:
+        """What other admissions and the interval-anchor planner may do between a match and the batch taking its
+        copy sources (one scheduling step): evict every anchor they can, take the slots, and have their forwards
+        write them."""
+        self.check_evicted_states(self.cache.evict(EvictParams(num_tokens=0, mamba_num=self.mamba_slots)))
+        free = self.req_pool.mamba_allocator.available_size()
+        if free:
+            slots = self.req_pool.mamba_allocator.alloc(free)
+            self.overwrite_states(slots)
+            self.req_pool.mamba_allocator.free(slots)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return num_tokens <= self.allocator.available_size() + self.cache.evictable_size()
@@ -384,6 +407,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.check_admitted(req, match)
         chunk = data.draw(st.integers(1, len(tokens) - req.prefix_len))
         req.lock = self.cache.lock(req.last_node)  # PrefillAdder._commit_prefill_admission
+        if data.draw(st.sampled_from([False, False, False, True])):
+            self.others_take_the_free_slots()
         if not self.can_allocate(chunk):
             self.cache.unlock(req.lock)  # not admitted: the scheduler leaves it waiting
             req.lock = None
@@ -391,6 +416,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
                 self.req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
                 req.kv.mamba_pool_idx = None
             req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, False
+            self.release_staged(admitted=())
             if req.is_retracted:
                 self.retracted.append(req)
             return
@@ -401,6 +427,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.req_pool.write((req.kv.req_pool_idx, slice(0, req.prefix_len)), prefix)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = req.prefix_len
         self.extend_row(req, chunk)
+        self.release_staged(admitted=[req])  # the batch (prepare_for_extend) took its copy source
         self.forward(req, match)
         self.live.append(req)
         self.prefill_len[req.rid] = len(tokens)
@@ -552,6 +579,7 @@ ANCHORED_MODE = TailReplayConfig(enabled=True, exact_budget=3, anchor_interval=0
 # The same figures written out for the checks, which must not ask the code under test (TailReplayConfig) for them.
 BUDGET, TAIL = 3, 2
 TAINT = -1.0  # the fingerprint of an approximate state (a zero-init tail)
+STALE = -2.0  # no sequence's fingerprint: what another request's forward left in a slot
 
 
 class AnchoredCacheMachine(TailReplayCacheMachine):
@@ -593,13 +621,21 @@ class AnchoredCacheMachine(TailReplayCacheMachine):
             assert match.exact == (m <= TAIL), "zero-init tail labelled wrongly"
 
     def check_slot_after_alloc(self, req) -> None:
-        assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is None, "a hit's slot is not its own"
+        assert req.kv.holds_mamba, "a hit has no slot of its own"
+
+    def overwrite_states(self, slots) -> None:
+        for slot in slots.tolist():
+            self.set_state(slot, STALE)
 
     def forward(self, req, match=None) -> None:
         slot = req.kv.mamba_pool_idx
-        if req.kv.mamba_needs_clear:  # SGLang zeroes the slot on the forward stream
+        if req.kv.mamba_cow_src_index is not None:  # SGLang's deferred copy-on-write, in the forward
+            self.set_state(slot, self.state(req.kv.mamba_cow_src_index[0]))
+            req.kv.mamba_cow_src_index = None
+        elif req.kv.mamba_needs_clear:  # SGLang zeroes the slot on the forward stream
             self.set_state(slot, self.fingerprint_of(()))
-            req.kv.mamba_needs_clear = False
+        req.kv.mamba_needs_clear = False
+        self.runtime.staged_anchors.restore_host(self.runtime.host_anchors, self.req_pool)  # replay_after_clear
         if match is not None and match.exact:  # the replay starts from the anchor's state, or from zero
             start = tokens_of(req)[:match.anchor or 0]
             assert self.state(slot) == self.fingerprint_of(start), \
@@ -653,8 +689,7 @@ class HostAnchoredCacheMachine(AnchoredCacheMachine):
 
     @property
     def host(self) -> HostAnchors:
-        return next(c for c in self.cache._components_tuple if isinstance(c, TailReplayMambaComponent)) \
-            .runtime.host_anchors
+        return self.runtime.host_anchors
 
     def check_tree_states(self) -> None:
         super().check_tree_states()
@@ -833,7 +868,77 @@ def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_s
             req.init_next_round_input(cache)
             assert match_of(req) == expected and req.prefix_len == expected.matched
             assert path_tokens(cache.tree_core.node_by_id(req.last_node)) == prompt[:expected.matched]
+            run_sglangs_copy_on_write(req_pool, [req])
             assert float(req_pool.mamba_pool.mamba_cache.temporal[0, int(req.kv.mamba_pool_idx)].view(-1)[0]) == 42.0
+
+
+def run_sglangs_copy_on_write(req_pool, reqs) -> None:
+    """What SGLang does with the requests' copy-on-write sources and clears: `ScheduleBatch.prepare_for_extend`
+    gathers them into the batch, `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` copies in the forward."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    batch = SimpleNamespace()
+    ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, reqs)
+    forward_batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, **vars(batch))
+    ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(
+        SimpleNamespace(req_to_token_pool=req_pool, is_draft_worker=False), forward_batch)
+
+
+def test_an_anchor_is_copied_by_the_forward_and_held_until_the_batch_takes_it(sglang_context):
+    """The anchor's state reaches the hit's slot in the forward, through SGLang's own deferred copy-on-write, not at
+    the match (issue 38 F1). From the match until the scheduler has formed the batch the anchor is locked: evicting
+    every state then leaves it, and no slot handed out is its slot; afterwards it is evictable again. A hit the
+    scheduler did not admit releases it as well."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
+        end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8]))))
+        temporal = req_pool.mamba_pool.mamba_cache.temporal
+
+        def keep_anchor():
+            state = req_pool.mamba_allocator.alloc(1)
+            temporal[:, int(state)] = 42.0
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt[:8])), mamba_value=state, prev_prefix_len=8,
+                                      value=cache.path_device_indices(end.last_device_node), inserted_len=8))
+            return state
+
+        staged = next(c for c in cache._components_tuple if isinstance(c, TailReplayMambaComponent)) \
+            .runtime.staged_anchors
+
+        def anchor_kept() -> bool:
+            node = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8])))).last_device_node
+            return cache.tree_core.node_by_id(node).component_data[MAMBA].value is not None
+
+        for admitted in (True, False):
+            state = keep_anchor()
+            req = new_request(1, prompt + (2,))
+            req.init_next_round_input(cache)
+            assert match_of(req) == Match(10, 8, exact=True)
+            slot = int(req.kv.mamba_pool_idx)
+            assert float(temporal[0, slot].view(-1)[0]) != 42.0, "copied at the match"
+            assert req.kv.mamba_cow_src_index.tolist() == state.tolist() and not req.kv.mamba_needs_clear
+            cache.evict(EvictParams(num_tokens=0, mamba_num=8))
+            free = req_pool.mamba_allocator.alloc(req_pool.mamba_allocator.available_size())
+            assert anchor_kept() and int(state) not in free.tolist(), "the anchor was evicted before its copy"
+            req_pool.mamba_allocator.free(free)
+            if admitted:
+                run_sglangs_copy_on_write(req_pool, [req])  # the batch takes the source and the forward copies
+                staged.release(cache, None, [req])
+                assert float(temporal[0, slot].view(-1)[0]) == 42.0
+                req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
+            else:  # the scheduler's rejection frees the slot and clears the source; the hook releases
+                req_pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
+                req.kv.mamba_cow_src_index = None
+                staged.release(cache, None, ())
+            assert len(staged) == 0
+            cache.evict(EvictParams(num_tokens=0, mamba_num=8))
+            assert not anchor_kept(), "the anchor stayed locked after the batch was formed"
 
 
 @pytest.mark.parametrize("keep,evicted_depth", [("lru", 2), ("ends", 4)])
@@ -923,13 +1028,19 @@ def keep_deleted_nodes(self, node):
     MambaComponent.discard_deleted_session_leaf(self, node)
 
 
-ORIGINAL_COPY = TailReplayMambaComponent._copy_state_into_new_slot
-STALE = -2.0  # no sequence's fingerprint
+ORIGINAL_STAGE = TailReplayMambaComponent._stage_anchor_state
 
 
 def copy_nothing(self, req, anchor):
-    ORIGINAL_COPY(self, req, anchor)
+    ORIGINAL_STAGE(self, req, anchor)
+    req.kv.mamba_cow_src_index = None  # the forward copies nothing into the slot
     self.cache.req_to_token_pool.mamba_pool.mamba_cache.temporal[:, int(req.kv.mamba_pool_idx)] = STALE
+
+
+def hold_nothing(self, cache, req, anchor):
+    """Lock the anchor only for the slot's allocation, as the copy at the match did."""
+    lock = cache.inc_lock_ref(anchor.id)
+    cache.dec_lock_ref(anchor.id, lock.to_dec_params())
 
 
 def forget_the_taint(self, node, is_new_leaf, params, result, cache_actions):
@@ -963,7 +1074,7 @@ BROKEN_ANCHORED = {
     "approximate states become anchors": (
         {"prepare_for_caching_req": store_every_state, "cleanup_after_caching_req": store_nothing_clean_up_like_stock},
         "approximate state"),
-    "the anchor's state is not copied into the hit's slot": ({"_copy_state_into_new_slot": copy_nothing},
+    "the anchor's state is not copied into the hit's slot": ({"_stage_anchor_state": copy_nothing},
                                                              "reported exact"),
     "a zero-init tail is labelled exact": ({(TailReplayConfig, "is_exact_fallback"): every_fallback_exact},
                                            "labelled wrongly"),
@@ -983,6 +1094,9 @@ BROKEN_SPELLED_OUT = {
                                      "not within the budget rule",
                                      test_a_hit_past_the_exact_budget_takes_the_zero_init_tail),
 }
+BROKEN_SPELLED_OUT["the anchor is released before the batch takes its copy source"] = (
+    {(StagedAnchors, "hold_device"): hold_nothing}, "evicted before its copy",
+    test_an_anchor_is_copied_by_the_forward_and_held_until_the_batch_takes_it)
 BROKEN_KEEP_ENDS = {
     "keep-ends evicts like plain LRU": ({"_next_victim": plain_lru_victim}, "before a mid-path one"),
 }

@@ -96,7 +96,7 @@ class TailReplayMambaComponent(MambaComponent):
         clean = not is_tainted(end)  # else the KV and hiddens the hit reuses are approximate, whatever its state
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
-                self._copy_state_into_new_slot(req, anchor)
+                self._stage_anchor_state(req, anchor)
             if m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass: stop the match there
                 result, m = self._match_up_to(result, anchor, c), c
             match = Match(m, c, exact=clean)
@@ -113,34 +113,18 @@ class TailReplayMambaComponent(MambaComponent):
         return result._replace(device_prefix_len=depth, last_device_node=node_id, last_host_node=node_id,
                                best_match_node=node_id)
 
-    def _copy_state_into_new_slot(self, req, anchor) -> None:
-        """The request's own slot, holding the anchor's state.
-
-        Copied now rather than through SGLang's deferred copy-on-write at the forward: the request's tree lock
-        covers the state of its match end, not the anchor's, so until then any slot allocation could evict the
-        anchor and reuse its slot. Allocating under a lock on the anchor keeps it alive for the copy. An anchor
-        whose state is on the host is kept there the same way, and copied back.
-        """
+    def _stage_anchor_state(self, req, anchor) -> None:
+        """The request's own slot, which the forward fills with the anchor's state (`anchor_copy`): the anchor is
+        held first, since allocating the slot may evict; a device anchor becomes the slot's copy-on-write source."""
+        staged, host = self.runtime.staged_anchors, self.runtime.host_anchors
         src = anchor.component_data[self.component_type].value
-        pool = self.cache.req_to_token_pool
         if src is None:
-            host = self.runtime.host_anchors
-            with host.keep(anchor):
-                dst = self._alloc_mamba_slot()
-            with on_forward_stream(self.runtime.forward_stream):
-                host.restore(anchor, pool.mamba_pool, int(pool.translate_mamba_indices(dst)[0]))
+            staged.hold_host(host, req, anchor)
             self.runtime.count_host_anchor_hit()
         else:
-            lock = self.cache.inc_lock_ref(anchor.id)
-            try:
-                dst = self._alloc_mamba_slot()
-            finally:
-                self.cache.dec_lock_ref(anchor.id, lock.to_dec_params())
-            with on_forward_stream(self.runtime.forward_stream):
-                pool.mamba_pool.copy_from(pool.translate_mamba_indices(src.view(-1)),
-                                          pool.translate_mamba_indices(dst))
-        req.kv.mamba_pool_idx = dst[0]
-        req.kv.mamba_cow_src_index = None
+            staged.hold_device(self.cache, req, anchor)
+        req.kv.mamba_pool_idx = self._alloc_mamba_slot()[0]
+        req.kv.mamba_cow_src_index = src
         req.kv.mamba_needs_clear = False
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):

@@ -16,12 +16,12 @@ HiCache's: it comes with the hierarchical cache's controller, page layouts and t
 source, and moves every node's state, not the ones the device pool lets go. This pool is a plain pair of tensors
 shaped like the device pool's, pinned on CUDA.
 
-Copies run on the model's forward stream (`component.on_forward_stream`): a device-to-host save is ordered before
-any later forward that reuses the freed device slot, and a host-to-device restore before the replay that reads it.
+A device-to-host save runs on the model's forward stream (`component.on_forward_stream`), ordered before any later
+forward that reuses the freed device slot; a host-to-device restore runs inside the forward of the hit's batch
+(`anchor_copy`), before the replay that reads it.
 `copy_seconds` is the host's wall time for the copies: on CUDA that is the time to enqueue them.
 """
 
-import contextlib
 import time
 from collections import OrderedDict
 
@@ -41,7 +41,7 @@ class HostAnchors:
         self.temporal = host_like(cache.temporal)
         self._free = list(range(capacity - 1, -1, -1))
         self._slots: OrderedDict = OrderedDict()  # tree node -> host slot, least recently used first
-        self._kept: object = None  # a node whose state must not be dropped (being restored)
+        self._pinned: dict = {}  # node -> hits whose restore is staged (`anchor_copy`): its state is not dropped
         self._root: object = None  # the tree these nodes belong to (a flush builds a new root)
         self.saved = self.restored = self.dropped = 0
         self.copy_seconds = 0.0
@@ -84,15 +84,15 @@ class HostAnchors:
         self._copy(mamba_pool, device_slot, slot, to_host=False)
         self.restored += 1
 
-    @contextlib.contextmanager
-    def keep(self, node):
-        """`node`'s state is not dropped while a device slot is allocated for its restore (the allocation may evict
-        device anchors into this pool)."""
-        self._kept = node
-        try:
-            yield
-        finally:
-            self._kept = None
+    def pin(self, node) -> None:
+        """`node`'s state is not dropped until as many `unpin`s: from a hit's match, whose slot allocation may evict
+        device anchors into this pool, until its restore ran in the forward."""
+        self._pinned[node] = self._pinned.get(node, 0) + 1
+
+    def unpin(self, node) -> None:
+        left = self._pinned.pop(node) - 1
+        if left:
+            self._pinned[node] = left
 
     def discard(self, node) -> None:
         slot = self._slots.pop(node, None)
@@ -100,7 +100,7 @@ class HostAnchors:
             self._free.append(slot)
 
     def _drop_lru(self) -> bool:
-        victim = next((node for node in self._slots if node is not self._kept), None)
+        victim = next((node for node in self._slots if node not in self._pinned), None)
         if victim is None:
             return False
         self.discard(victim)
