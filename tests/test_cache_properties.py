@@ -941,6 +941,28 @@ def test_an_anchor_is_copied_by_the_forward_and_held_until_the_batch_takes_it(sg
             assert not anchor_kept(), "the anchor stayed locked after the batch was formed"
 
 
+def test_a_folded_hit_is_judged_by_the_kv_it_still_reuses(sglang_context):
+    """Approximate KV below an anchor: a hit 2 tokens past the anchor (fold 3) is cut back to it and reuses only the
+    clean KV above it and its state, so it is exact; unfolded (fold 0) it reads the tainted KV and is not."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        for fold, expected in ((3, Match(8, 8, exact=True)), (0, Match(10, 8, exact=False))):
+            config = dataclasses.replace(ANCHORED_MODE, exact_budget=5, fold_tokens=fold)
+            cache, req_pool, allocator = build_cache(server_args, config, 8)
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt[:8])), value=allocator.alloc(8),
+                                      mamba_value=req_pool.mamba_allocator.alloc(1)))
+            end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8]))))
+            params = InsertParams(key=RadixKey(array("q", prompt)), prev_prefix_len=8,
+                                  value=torch.cat([cache.path_device_indices(end.last_device_node),
+                                                   allocator.alloc(2)]))
+            setattr(params, TAINT_ATTR, True)  # an approximate request computed tokens 8 and 9
+            cache.insert(params)
+            req = new_request(1, prompt + (2,))
+            req.init_next_round_input(cache)
+            assert match_of(req) == expected, f"fold {fold}: {match_of(req)}"
+
+
 @pytest.mark.parametrize("keep,evicted_depth", [("lru", 2), ("ends", 4)])
 def test_anchor_keep_policy_picks_the_victim(sglang_context, keep, evicted_depth):
     """States at a branch point (depth 2), a path's end (6) and mid-path (4), least recently used first: one

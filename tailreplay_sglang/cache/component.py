@@ -99,6 +99,7 @@ class TailReplayMambaComponent(MambaComponent):
                 self._stage_anchor_state(req, anchor)
             if m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass: stop the match there
                 result, m = self._match_up_to(result, anchor, c), c
+                clean = not is_tainted(anchor)  # it now reuses the KV above the anchor only (None: the root)
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
