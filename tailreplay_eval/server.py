@@ -33,6 +33,8 @@ BASE_FLAGS = (
 NO_BUFFER_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule")
 CPU_FLAGS = BASE_FLAGS + NO_BUFFER_FLAGS
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# On a GPU (`ServerProcess(on_gpu=True)`, scripts/gpu_check.sh): SGLang's own defaults, two servers side by side.
+GPU_FLAGS = ("--skip-server-warmup", "--mem-fraction-static", "0.35")
 
 
 def flags_to_keywords(flags: tuple[str, ...]) -> dict:
@@ -94,6 +96,7 @@ class ServerProcess:
     max_running_requests: int = 8
     env: dict[str, str] = field(default_factory=dict)
     gpu_scheduling: bool = False  # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer
+    on_gpu: bool = False  # a CUDA server with SGLang's defaults (GPU_FLAGS) instead of the CPU route
     proc: subprocess.Popen | None = None
 
     @property
@@ -103,7 +106,7 @@ class ServerProcess:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
                "--host", "127.0.0.1", "--port", str(self.port),
-               *(BASE_FLAGS if self.gpu_scheduling else CPU_FLAGS),
+               *(GPU_FLAGS if self.on_gpu else BASE_FLAGS if self.gpu_scheduling else CPU_FLAGS),
                "--max-total-tokens", str(self.max_total_tokens),
                "--max-running-requests", str(self.max_running_requests)]
         if self.context_length:
@@ -112,7 +115,8 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env={**os.environ, **CPU_ENV, **self.env}, stdout=log,
+        env = {**os.environ, **({} if self.on_gpu else CPU_ENV), **self.env}
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

@@ -13,6 +13,8 @@ state by its decay and a non-expansive update (for the delta rule, I - beta k k^
 (`tail_replay_state_survival`).
 """
 
+import contextlib
+import dataclasses
 import logging
 import time
 
@@ -58,6 +60,30 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
 
 @torch.no_grad()
 def run(runner, store: HiddenStore, family: Family, batch: ReplayBatch, h2d_mode: str = "ovl") -> None:
+    with own_token_counts():
+        _run_groups(runner, store, family, batch, h2d_mode)
+
+
+@contextlib.contextmanager
+def own_token_counts():
+    """The replay's MoE layers route their own packed tails. The model's forward context lends MoE the outer batch's
+    count of real tokens (`moe_num_token_non_padded`, bound where SGLang pads batches for expert parallelism or
+    DP attention), and TopK gives no expert to rows past it: the replay's rows past the batch's own extend would
+    lose their MoE output. Inside, that count is unbound."""
+    from sglang.srt.model_executor.forward_context import forward_context, get_forward_context, has_forward_context
+
+    if not has_forward_context():
+        yield
+        return
+    with forward_context(dataclasses.replace(get_forward_context(), moe_num_token_non_padded=_unbound)):
+        yield
+
+
+def _unbound():
+    return None
+
+
+def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, h2d_mode: str) -> None:
     model, pool = runner.model.model, runner.req_to_token_pool
     dtype = model.embed_tokens.weight.dtype
     h2d = HostToDevice(runner.device, h2d_mode)

@@ -1,12 +1,13 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Four checks, each raising with a message that names what to change:
+Five checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
   and tested for; the command-line checks in `plugin.config_from_args` see only what was typed;
 - `check_anchor_prefill` (scheduler, same point): the linear-attention prefill kernel the model runner resolved is
   one the interval anchors are read from;
+- `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
 """
@@ -42,9 +43,9 @@ SUPPORTED = {
     "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
     "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
     "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),
-    # The replay runs its MoE inside the outer batch's forward context, whose token counts the expert dispatch reads:
-    # with experts sharded, replayed rows past the batch's own extend would get no experts.
-    "ep_size": ((1,), "--ep-size", "expert parallelism: the replay's MoE would be dispatched with the batch's counts"),
+    # The replay unbinds the outer batch's token count its MoE would otherwise be masked with
+    # (`replay.own_token_counts`), but expert-parallel SGLang does not run on the CPU route, so it is untested.
+    "ep_size": ((1,), "--ep-size", "expert parallelism is not tested (SGLang's EP MoE does not run on a CPU)"),
     "moe_dp_size": ((1,), "--moe-dp-size", "MoE data parallelism: as --ep-size"),
     # The replay addresses the KV pool and the hidden store by the request's slot ids as the tree holds them.
     "enable_unified_memory": ((False,), "--enable-unified-memory", "slot ids become virtual (not replayed)"),
@@ -95,6 +96,22 @@ def check_anchor_prefill(family, backends) -> None:
             f"--linear-attn-prefill-backend (resolved {resolved!r}; supported: {' or '.join(map(repr, readable))}): "
             f"Tail-Replay's {family.name} interval anchors are read from that kernel's per-chunk states; set it, or "
             f"--tail-replay-anchor-interval 0")
+
+
+def check_host_tier_graphs(hidden_tier: str | None, graph_config, on_cuda: bool) -> None:
+    """The host hidden tier's write-back (events, a side stream, `query()`) cannot run inside a captured CUDA graph,
+    so with it every phase runs eagerly. Read from SGLang's resolved graph config (`get_exec().graph`), in which the
+    per-phase flags and JSON override the legacy --disable-cuda-graph the launcher's check sees."""
+    if hidden_tier != "host" or not on_cuda or graph_config is None:
+        return
+    backends = {phase: getattr(getattr(graph_config, phase).backend, "value", getattr(graph_config, phase).backend)
+                for phase in ("decode", "prefill")}
+    captured = {phase: backend for phase, backend in backends.items() if backend != "disabled"}
+    if captured:
+        raise UnsupportedConfigError(
+            "--tail-replay-hidden-tier host needs CUDA graphs off in every phase (its write-back cannot be captured); "
+            "resolved: " + ", ".join(f"{phase} {backend}" for phase, backend in captured.items())
+            + ". Pass --disable-cuda-graph without --cuda-graph-backend-decode/-prefill, or use the device tier")
 
 
 def check_resolved(server_args) -> None:

@@ -700,7 +700,7 @@ class HostAnchoredCacheMachine(AnchoredCacheMachine):
         assert sorted(held + host._free) == list(range(host.capacity)), "host slots lost or held twice"
         for node, slot in host._slots.items():
             assert node in live, f"the host pool keeps the state of deleted node {node.id}"
-            assert float(host.temporal[0, slot].view(-1)[0]) == self.fingerprint_of(path_tokens(node)), \
+            assert float(host.temporal[slot, 0].view(-1)[0]) == self.fingerprint_of(path_tokens(node)), \
                 f"node {node.id}: its host state is not the exact state of its path"
 
     def teardown(self):

@@ -64,6 +64,35 @@ def test_the_runtime_hooks_read_their_own_runtime():
     assert first.pending is not second.pending
 
 
+@pytest.mark.parametrize("layers", [1, 6])
+def test_the_anchor_writers_read_the_batch_layout_once_per_forward(monkeypatch, layers):
+    """Each read of a device tensor on the host is a sync on a GPU: a planned prefill forward reads the batch
+    layout (bounds, slots, which sequences continue a state) once, whatever the number of recurrent layers whose
+    hooks write anchors; an unplanned one reads nothing (issue 38 item 5)."""
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    runtime = TailReplayRuntime(TailReplayConfig(enabled=True), interval_anchors=IntervalAnchors(64))
+    h = torch.arange(2.0).view(1, 2, 1, 1, 1).expand(1, 2, 2, 2, 2)
+    x = torch.ones(4, 100)
+    meta = dict(cache_indices=torch.tensor([3]), query_start_loc=torch.tensor([0, 100]),
+                has_initial_state=torch.tensor([False]))
+    for by_slot, expected in (({}, 0), ({3: [(64, 5)]}, 3)):
+        runtime.interval_anchors.use_plan(by_slot)
+        reads.clear()
+        for _ in range(layers):
+            conv_states, ssm_states = torch.zeros(8, 4, 3), torch.zeros(8, 2, 2, 2)
+            gdn.write_anchor_conv_states(runtime, lambda x, **kw: x, x, conv_states=conv_states, **meta)
+            gdn.write_anchor_ssm_states(runtime, lambda **kw: (None, None, h), initial_state=ssm_states,
+                                        initial_state_indices=meta["cache_indices"],
+                                        cu_seqlens=meta["query_start_loc"])
+        assert len(reads) == expected, reads
+        if by_slot:
+            assert ssm_states[5].eq(1.0).all() and conv_states[5].eq(1.0).all()  # written, on every layer
+
+
 def test_interval_anchor_hooks_only_with_interval_anchors():
     """No interval anchors with the paper's budget 0 or interval 0; with them on every device (the prefill's
     per-chunk states exist on every device)."""

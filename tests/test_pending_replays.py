@@ -1,6 +1,8 @@
 """PendingReplays (tailreplay_sglang/cache/request.py): a hit waits here from prepare_for_extend to its batch's
 forward."""
 
+import torch
+
 from tailreplay_sglang.cache.request import Match, PendingReplays
 
 
@@ -53,3 +55,35 @@ def test_the_replay_takes_the_batch_rows_from_sglangs_host_copy():
 
     batch = SimpleNamespace(req_pool_indices=_DeviceRows(), req_pool_indices_cpu=torch.tensor([4, 1]))
     assert pool_rows_of(batch) == [4, 1]
+
+
+def test_the_replays_moe_routes_every_row_whatever_the_outer_batch_bound(monkeypatch):
+    """Inside a forward whose context binds the outer batch's count of real tokens (SGLang does under expert
+    parallelism or DP attention), TopK masks the rows past it; the replay's packed tails are longer than the extend
+    they run in, so inside the replay the count is unbound and every row keeps its experts (issue 38 F2)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.topk import _mask_topk_ids_padded_region, resolve_routing_inputs
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from tailreplay_sglang import replay
+    from tailreplay_sglang.replay import own_token_counts
+
+    def routed(rows: int) -> torch.Tensor:
+        count, _ = resolve_routing_inputs(layer_id=0, is_draft=True)  # what TopK asks the context
+        topk_ids = torch.arange(rows * 2).view(rows, 2)
+        _mask_topk_ids_padded_region(topk_ids, count)
+        return topk_ids
+
+    outer = ForwardContext(attn_backend=SimpleNamespace(), moe_num_token_non_padded=lambda: torch.tensor(20))
+    with forward_context(outer):
+        assert (routed(300)[20:] == -1).all()  # the outer batch's 20 tokens: the rest get no expert
+        with own_token_counts():
+            assert (routed(300) >= 0).all()
+        assert (routed(300)[20:] == -1).all()  # the outer forward's own bound is back
+        seen = []  # and the replay pass runs its groups inside it
+        monkeypatch.setattr(replay, "_run_groups", lambda *args: seen.append(routed(300)))
+        replay.run(None, None, None, None)
+        assert (seen[0] >= 0).all()
+    with own_token_counts():  # no forward context (unit use): nothing to unbind
+        assert (routed(4) >= 0).all()

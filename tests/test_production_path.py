@@ -208,3 +208,21 @@ def test_soak_on_the_small_paged_pool(servers):
     mismatches = check_against_no_cache(srv.base_url, report.completed, only_exact=True)
     assert [m for m in mismatches if m.endswith("FIRST TOKEN")] == []
     assert len(mismatches) <= max(1, len(exact) // 50), mismatches
+
+
+def test_bursts_of_track_aligned_prompts_leave_every_donation_a_slot(servers):
+    """S1 (`../shared/notes/gpu-path-review.md`): under the overlap scheduler a batch's chunk-end donations need a
+    mamba slot after the next batch has planned its interval anchors, which reserve one slot per request of their own
+    batch only. Bursts of 6 concurrent prompts whose lengths are multiples of the track grid (each donated state
+    lands on its own locked node, freeing nothing) and one longer prompt, on 12 slots for 3 running requests (just
+    above 3 x 3): every request completes (the scheduler would die on "Can not alloc mamba cache"), and the pools
+    drain."""
+    srv = servers["small_pool"]
+    flush_cache(srv.base_url)
+    for burst in range(8):
+        prompts = [random_ids(6 * TRACK, seed=3000 + 10 * burst + i) for i in range(6)]
+        prompts.append(random_ids(16 * TRACK, seed=3000 + 10 * burst + 9))
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda ids: generate(srv, ids, 2), prompts))
+        assert all(len(out["output_ids"]) == 2 for out in outs)
+    assert pool_leaks(wait_idle(srv.base_url)) == []  # every mamba slot free or an anchor, nothing locked

@@ -134,3 +134,35 @@ def test_mamba2_anchors_do_not_depend_on_the_linear_attention_backend(tiny_nemot
 
     _launcher_fields(tiny_nemotron_h, "--linear-attn-prefill-backend", "flashinfer")  # accepted
     check_anchor_prefill(FAMILY, _resolved_prefill("flashinfer"))
+
+
+# ---- the host hidden tier and CUDA graphs, as SGLang resolves them (issue 38 F8) ----
+
+def _resolved_graphs(**flags):
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    from sglang.srt.runtime_context import create_context, get_exec, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path="dummy", **flags)
+    parse_cuda_graph_config(server_args)  # the launcher's resolution (skipped for a CPU device)
+    with use_context(create_context(server_args, role="scheduler")):
+        return get_exec().graph.cuda_graph_config
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"disable_cuda_graph": True}, None),
+    ({"disable_decode_cuda_graph": True, "disable_prefill_cuda_graph": True}, None),
+    ({"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"}, "prefill breakable"),
+    ({}, "decode full"),
+], ids=["legacy-off", "per-phase-off", "prefill-re-enabled", "defaults"])
+def test_the_host_tier_needs_every_resolved_graph_phase_off(flags, refused):
+    from tailreplay_sglang.supported import check_host_tier_graphs
+
+    graphs = _resolved_graphs(**flags)
+    check_host_tier_graphs("device", graphs, on_cuda=True)
+    check_host_tier_graphs("host", graphs, on_cuda=False)  # no graphs on a CPU
+    if refused is None:
+        check_host_tier_graphs("host", graphs, on_cuda=True)
+    else:
+        with pytest.raises(UnsupportedConfigError, match=f"--tail-replay-hidden-tier host .*resolved: {refused}"):
+            check_host_tier_graphs("host", graphs, on_cuda=True)

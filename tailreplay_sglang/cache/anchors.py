@@ -55,6 +55,18 @@ class IntervalAnchors:
         # physical anchor slots whose conv / SSM state a hook wrote, until the anchor is inserted or freed
         self.written: dict[str, set[int]] = {"conv": set(), "ssm": set()}
         self.warned_unwritten = False
+        self._layout: dict[str, list] = {}  # the batch layout the forward's hooks read (`layout`), once per forward
+
+    def use_plan(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
+        """The plan of the next prefill forward."""
+        self.by_slot, self._layout = by_slot, {}
+
+    def layout(self, name: str, tensor: torch.Tensor) -> list:
+        """`tensor.tolist()` for the batch layout (sequence bounds, slots, ...), read once per planned forward: every
+        layer's hook gets the same metadata, and each read of a device tensor is a host sync on a GPU."""
+        if name not in self._layout:
+            self._layout[name] = tensor.tolist()
+        return self._layout[name]
 
     @contextlib.contextmanager
     def paused(self):
@@ -72,7 +84,8 @@ class IntervalAnchors:
         if not self.by_slot:
             return
         width_1 = conv_states.shape[-1]
-        bounds, slots, initial = query_start_loc.tolist(), cache_indices.tolist(), has_initial_state.tolist()
+        bounds, slots = self.layout("bounds", query_start_loc), self.layout("slots", cache_indices)
+        initial = self.layout("initial", has_initial_state)
         for i, slot in enumerate(slots):
             for offset, dst in self.by_slot.get(slot, ()):
                 start, end = bounds[i], bounds[i + 1]
@@ -88,7 +101,7 @@ class IntervalAnchors:
             return
         if h is None:
             raise RuntimeError("Tail-Replay interval anchors need the chunked prefill's per-chunk states (h)")
-        bounds, slots, first_chunk = cu_seqlens.tolist(), cache_indices.tolist(), 0
+        bounds, slots, first_chunk = self.layout("bounds", cu_seqlens), self.layout("slots", cache_indices), 0
         for i, slot in enumerate(slots):
             for offset, dst in self.by_slot.get(slot, ()):
                 assert offset % GDN_CHUNK == 0, offset
@@ -134,10 +147,10 @@ class IntervalAnchors:
             if slots is None:
                 continue
             state_of(req).interval_anchors = [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)]
-            physical = pool.translate_mamba_indices(slots)
-            source = int(pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(1))[0])
-            by_slot[source] = [(off, int(dst)) for off, dst in zip(cuts, physical)]
-        self.by_slot = by_slot
+            # physical slot ids of the request's own slot and its anchors' in one read (a host sync on a GPU)
+            source, *physical = pool.translate_mamba_indices(torch.cat([req.kv.mamba_pool_idx.view(1), slots])).tolist()
+            by_slot[source] = list(zip(cuts, physical))
+        self.use_plan(by_slot)
 
     def commit(self, cache, req) -> None:
         """After SGLang inserted [0, cache_protected_len) of the request: insert each anchor within it at its depth;

@@ -33,8 +33,10 @@ class HostAnchors:
         cache = mamba_pool.mamba_cache
         pin = cache.temporal.is_cuda  # pinned memory exists only next to an accelerator
 
-        def host_like(t: torch.Tensor) -> torch.Tensor:  # [layers, slots, ...] with `capacity` slots
-            return torch.zeros((t.shape[0], capacity, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+        def host_like(t: torch.Tensor) -> torch.Tensor:
+            # [capacity, layers, ...]: slot-major, so that one state is contiguous in pinned memory and its copies
+            # are single asynchronous transfers (a strided pinned view would go through a pageable temporary)
+            return torch.zeros((capacity, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
 
         self.capacity = capacity
         self.conv = [host_like(c) for c in cache.conv]
@@ -112,7 +114,7 @@ class HostAnchors:
         cache = mamba_pool.mamba_cache
         for device, host in zip((*cache.conv, cache.temporal), (*self.conv, self.temporal)):
             if to_host:
-                host[:, host_slot].copy_(device[:, device_slot], non_blocking=True)
+                host[host_slot].copy_(device[:, device_slot], non_blocking=True)
             else:
-                device[:, device_slot].copy_(host[:, host_slot], non_blocking=True)
+                device[:, device_slot].copy_(host[host_slot], non_blocking=True)
         self.copy_seconds += time.perf_counter() - start

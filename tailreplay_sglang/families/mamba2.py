@@ -174,7 +174,8 @@ def write_states(anchors, mixer, hidden_states, layer_cache, metadata, chunk_sta
         return
     n = metadata.num_prefills
     chunk = metadata.mixed_metadata.chunk_size
-    bounds, slots = metadata.query_start_loc[:n + 1].tolist(), metadata.mamba_cache_indices[:n].tolist()
+    bounds = anchors.layout("bounds", metadata.query_start_loc[:n + 1])
+    slots = anchors.layout("slots", metadata.mamba_cache_indices[:n])
     conv, ssm = layer_cache.conv[0], layer_cache.temporal
     width_1 = conv.shape[-1]
     for i, slot in enumerate(slots):
