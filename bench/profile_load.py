@@ -33,19 +33,35 @@ PLUGIN = "tailreplay_sglang/"
 STOCK_ON_CPU = ("sglang_cpu_compat/", f"{PLUGIN}ops/")
 
 
-def attribute(stacks: str) -> tuple[int, collections.Counter]:
+def around_hook_bodies() -> set[str]:
+    """Names of the plugin functions that wrap a stock SGLang function (`hooks.py`, kind "around"): a sample inside
+    the function they wrap is stock's work, not theirs."""
+    from tailreplay_sglang import hooks
+
+    tables = (hooks.ALWAYS, hooks.MODEL_LOADER, hooks.RUNTIME, hooks.INTERVAL_ANCHORS)
+    return {hook.fn.rpartition(":")[2] for table in tables for hook in table if hook.kind == "around"}
+
+
+def attribute(stacks: str, wrappers: set[str] | None = None) -> tuple[int, collections.Counter]:
     """py-spy `raw` output (one 'frame;frame;... count' line per stack) -> (samples, samples per plugin module).
-    A frame reads 'function (path/to/file.py:line)'."""
+    A frame reads 'function (path/to/file.py:line)'. The innermost plugin frame decides, unless it is a wrapper
+    (`around_hook_bodies`) whose next frame is not the plugin's: then the sample is in the stock function it wraps."""
+    wrappers = around_hook_bodies() if wrappers is None else wrappers
     total, per_module = 0, collections.Counter()
     for line in stacks.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
             continue
         total += int(count)
-        ours = [f for f in stack.split(";") if PLUGIN in f and not any(part in f for part in STOCK_ON_CPU)]
-        if ours:
-            path = ours[-1].rsplit("(", 1)[-1].split(":")[0]
-            per_module[path[path.index(PLUGIN):]] += int(count)
+        frames = stack.split(";")
+        ours = [i for i, f in enumerate(frames) if PLUGIN in f and not any(part in f for part in STOCK_ON_CPU)]
+        if not ours:
+            continue
+        innermost = frames[ours[-1]]
+        if innermost.split(" (")[0].rpartition(".")[2] in wrappers and ours[-1] + 1 < len(frames):
+            continue  # inside the stock function the hook wraps
+        path = innermost.rsplit("(", 1)[-1].split(":")[0]
+        per_module[path[path.index(PLUGIN):]] += int(count)
     return total, per_module
 
 
@@ -59,13 +75,14 @@ def main() -> None:
     ap.add_argument("--flags", default="--enable-tail-replay", help="the profiled server's Tail-Replay flags")
     ap.add_argument("--workload", choices=bench_serving.WORKLOADS, default="no reuse")
     ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=1024, help="tokens of each prompt's first part (system_len)")
     ap.add_argument("--rate", default="inf")
     args = ap.parse_args()
     spy = shutil.which("py-spy")
     if spy is None:
         sys.exit("bench/profile_load.py needs py-spy on PATH: pip install py-spy")
     run = harness.Run.begin(args)
-    shape = argparse.Namespace(groups=1, prompts_per_group=args.prompts, system_len=1024, question_len=64,
+    shape = argparse.Namespace(groups=1, prompts_per_group=args.prompts, system_len=args.prompt_len, question_len=64,
                                output_len=16, seed=args.seed)
     flags = (*run.server_args, *shlex.split(args.flags))
     stacks = run.out.with_suffix(".stacks.txt")

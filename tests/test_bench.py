@@ -320,8 +320,8 @@ def test_load_equal_memory_charges_the_device_tier_store():
 
 def test_profile_attributes_samples_to_the_innermost_plugin_module():
     """bench/profile_load.py's attribution of py-spy stacks: the innermost plugin frame decides; the CPU ops that
-    stock runs too (the CPU port, sglang_cpu_compat, and tailreplay_sglang/ops/) and SGLang's own frames count for
-    nobody."""
+    stock runs too (the CPU port, sglang_cpu_compat, and tailreplay_sglang/ops/), SGLang's own frames and the stock
+    functions the plugin's around-hooks wrap count for nobody; the hook's own lines count for it."""
     root, port = "/work/x/tailreplay_sglang", "/work/x/cpu_compat/sglang_cpu_compat"
     stacks = "\n".join([
         "run (sglang/scheduler.py:1);forward (sglang/model.py:2);_capture (" + root + "/capture.py:20);"
@@ -329,10 +329,16 @@ def test_profile_attributes_samples_to_the_innermost_plugin_module():
         f"run (sglang/scheduler.py:1);chunk_gated_delta_rule ({root}/ops/gdn.py:130) 80",
         f"run (sglang/scheduler.py:1);causal_conv1d_fn_cpu ({port}/sgl_kernel_shim.py:45) 10",
         f"run (sglang/scheduler.py:1);run ({root}/replay.py:88);scan ({root}/ops/gdn.py:149) 5",
-        "run (sglang/scheduler.py:1) 2"])
+        "run (sglang/scheduler.py:1) 2",
+        f"run (sglang/scheduler.py:1);write_anchor_ssm_states ({root}/families/gdn.py:101);"
+        f"chunk_gated_delta_rule_cpu ({port}/sgl_kernel_shim.py:57) 7",
+        f"run (sglang/scheduler.py:1);write_anchor_ssm_states ({root}/families/gdn.py:102);"
+        f"IntervalAnchors.write_ssm_states ({root}/cache/anchors.py:111) 4",
+        f"run (sglang/scheduler.py:1);write_anchor_conv_states ({root}/families/gdn.py:93) 1"])
     total, per_module = profile_load.attribute(stacks)
-    assert total == 100
-    assert per_module == {"tailreplay_sglang/store/hidden_store.py": 3, "tailreplay_sglang/replay.py": 5}
+    assert total == 112
+    assert per_module == {"tailreplay_sglang/store/hidden_store.py": 3, "tailreplay_sglang/replay.py": 5,
+                          "tailreplay_sglang/cache/anchors.py": 4, "tailreplay_sglang/families/gdn.py": 1}
 
 
 # ---- bench/memory.py (tailreplay_eval/memory.py): computed from configs, no server ----
@@ -519,3 +525,21 @@ def test_pressure_trace_is_the_same_for_every_arm_and_shares_prefixes():
             assert all(p[:len(p) - 5] == prompts[0][:len(p) - 5] for p in prompts[1:])
         else:
             assert all(b[:len(a)] == a for a, b in zip(prompts, prompts[1:]))  # each turn extends the last
+
+
+# ---- bench/overhead.py: its summary, without servers ----
+
+def test_overhead_ratios_pair_each_repetition_and_report_every_server_pair():
+    """Tail-Replay / stock is taken within a repetition (the two servers measured back to back), its median and
+    min-max over every repetition, and the median per server pair (each pair is started afresh: a process keeps a
+    speed of its own)."""
+    overhead = load_bench("overhead")
+    samples = [{"pair": pair, "rep": 2 * pair + rep, "name": "cold 2048", "arm": arm, "value": value}
+               for pair, rep, arm, value in [(0, 0, "stock", 1.0), (0, 0, "tail_replay", 1.1),
+                                             (0, 1, "stock", 2.0), (0, 1, "tail_replay", 2.0),
+                                             (1, 0, "stock", 1.0), (1, 0, "tail_replay", 0.9),
+                                             (1, 1, "tail_replay", 5.0)]]  # its stock run is missing: no ratio
+    (row,) = overhead.summarize(samples, ["cold 2048"])
+    assert row["reps"] == 3 and row["ratio_min"] == 0.9 and abs(row["ratio_max"] - 1.1) < 1e-12
+    assert row["ratio_median"] == 1.0 and [round(x, 6) for x in row["ratio_median_per_pair"]] == [1.05, 0.9]
+    assert row["stock_median"] == 1.0 and row["tail_replay_median"] == 1.55  # every sample of each arm

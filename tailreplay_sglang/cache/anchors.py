@@ -89,9 +89,12 @@ class IntervalAnchors:
         for i, slot in enumerate(slots):
             for offset, dst in self.by_slot.get(slot, ()):
                 start, end = bounds[i], bounds[i + 1]
-                left = conv_states[slot].to(x.dtype) if initial[i] else x.new_zeros(x.shape[0], width_1)
-                window = torch.cat([left, x[:, start:min(end, start + offset)]], dim=-1)
-                conv_states[dst] = window[:, window.shape[-1] - width_1:].to(conv_states.dtype)
+                stop = min(end, start + offset)
+                inputs = x[:, max(start, stop - width_1):stop]  # only the width - 1 inputs the state holds
+                if inputs.shape[-1] < width_1:  # within width - 1 of the extend's start: the slot's state before it
+                    left = conv_states[slot].to(x.dtype) if initial[i] else x.new_zeros(x.shape[0], width_1)
+                    inputs = torch.cat([left, inputs], dim=-1)[:, -width_1:]
+                conv_states[dst] = inputs.to(conv_states.dtype)
                 self.written["conv"].add(dst)
 
     def write_ssm_states(self, h, ssm_states, cache_indices, cu_seqlens) -> None:
