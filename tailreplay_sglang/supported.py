@@ -55,6 +55,7 @@ SUPPORTED = {
     "enable_lmcache": ((False,), "--enable-lmcache", "the tail_replay cache backend would bypass LMCache"),
     "hicache_storage_backend": ((None,), "--hicache-storage-backend", "storage tiers move KV the store must follow"),
     "enable_pdmux": ((False,), "--enable-pdmux", "prefill/decode multiplexing is not tested"),
+    "enable_mis": ((False,), "--enable-mis", "multi-item scoring turns the radix cache off"),
     "enable_linear_replayssm": ((False,), "--enable-linear-replayssm", "SGLang's own recurrent-state replay"),
     "enable_linear_replayssm_spec": ((False,), "--enable-linear-replayssm-spec", "SGLang's own recurrent-state replay"),
     "mamba_max_states_per_path": ((-1,), "--mamba-max-states-per-path",
