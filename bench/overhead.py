@@ -7,11 +7,11 @@ SGLang side by side (issue 39).
 
 Two servers start together: stock and `--enable-tail-replay` (its defaults: anchored replay, interval anchors every
 512 tokens), both with the CPU flags (`--sleep-on-idle`), so an idle one takes no CPU from the other. On these two
-cores a server process keeps a speed of its own for its lifetime (two runs of 5 repetitions measured Tail-Replay's
-cold prefill at 1.12-1.20x and at 0.91-0.99x of stock's, same code), so the pair is started afresh --restarts times
-and each pair measured --reps times. Exactly one request (or one decode batch) is in flight at a time. One warm-up
-request each first. Then, per repetition, the two servers in alternating order (stock first on even repetitions), so
-drift hits both alike:
+cores a server process keeps a speed of its own for its lifetime (two runs of 5 repetitions on one pair each measured
+Tail-Replay's cold 4K-16K prefills at 1.12-1.20x and at 0.91-0.99x of stock's, same code), so the pair is started
+afresh --restarts times and each pair measured --reps times. Exactly one request (or one decode batch) is in flight
+at a time. One warm-up request each first. Then, per repetition, the two servers in alternating order (stock first
+on even repetitions), so drift hits both alike:
 - cold prefill at each length L: a random prompt of L tokens whose first token no earlier prompt had (no reuse
   possible), the same for both servers; TTFT of a one-token streaming request (cached must be 0);
 - decode at batch 1 and 8: a fresh 256-token prompt per request, --decode-tokens greedy tokens each (ignore_eos);
