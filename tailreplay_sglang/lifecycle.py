@@ -58,7 +58,6 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier)
-    runtime.forward_stream = getattr(runner, "forward_stream", None)
     runtime.family.install_capture(model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner)
     if runtime.config.host_anchors:
@@ -127,6 +126,10 @@ def drop_interval_anchors(runtime: TailReplayRuntime, result, cache, req, *args,
 def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch, *args, **kwargs):
     """The batch's replays, before its extend. Interval anchors are paused meanwhile: a replay that goes through a
     hooked kernel runs on the same slots as the extend the anchors are planned for."""
+    if str(runner.device).startswith("cuda"):
+        # The stream forwards run on: the runner's forward stream under the overlap scheduler, the scheduler's own
+        # stream without it. Host-anchor saves, made while scheduling, go there too (`component.on_forward_stream`).
+        runtime.forward_stream = torch.cuda.current_stream()
     if runtime.store is not None and forward_batch.forward_mode.is_extend():
         runtime.staged_anchors.restore_host(runtime.host_anchors, runner.req_to_token_pool)
         anchors = runtime.interval_anchors

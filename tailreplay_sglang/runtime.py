@@ -14,7 +14,8 @@ What it holds, and who fills it:
 - `store`: the hidden store, created with the KV pool (`lifecycle.create_store`);
 - `family`: the model's recurrent family (`families/`), bound to the loaded model with the store;
 - `host_anchors`: the host pool of evicted anchors (`cache.host_anchors`), created with the store, or None;
-- `forward_stream`: the model runner's forward stream (CUDA), where anchor copies are ordered (set with the store);
+- `forward_stream`: the stream the model's forwards run on (CUDA), recorded by every forward, where host-anchor
+  saves made while scheduling are ordered;
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
 - `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
 """

@@ -235,10 +235,12 @@ class _InsertOutcome:
 
 @contextlib.contextmanager
 def on_forward_stream(stream):
-    """Run the enclosed copies on the model's forward stream (CUDA): under the overlap scheduler the next batch is
-    matched while the previous one still runs there, so a copy on the scheduler's stream could read a state that
-    batch is still writing, or be overtaken by a later write to the slot. On the forward stream it runs after every
-    batch already launched and before any launched later. Elsewhere (CPU: every op runs when it is called) a no-op."""
+    """Run the enclosed copies (host-anchor saves, made while scheduling) on the stream the forwards run on (CUDA;
+    `runtime.forward_stream`, recorded by the last forward): under the overlap scheduler the next batch is scheduled
+    while the previous one still runs, so a copy on the scheduler's stream could read a state that batch is still
+    writing, or be overtaken by a later write to the freed slot. On the forwards' stream it runs after every batch
+    already launched and before any launched later. Before the first forward, or on a CPU, a no-op (nothing to
+    order: no anchor exists yet, or every op runs when it is called)."""
     if stream is None or not isinstance(stream, torch.cuda.Stream):
         yield
         return

@@ -16,9 +16,10 @@ HiCache's: it comes with the hierarchical cache's controller, page layouts and t
 source, and moves every node's state, not the ones the device pool lets go. This pool is a plain pair of tensors
 shaped like the device pool's, pinned on CUDA.
 
-A device-to-host save runs on the model's forward stream (`component.on_forward_stream`), ordered before any later
-forward that reuses the freed device slot; a host-to-device restore runs inside the forward of the hit's batch
-(`anchor_copy`), before the replay that reads it.
+A device-to-host save runs on the stream the forwards run on (`component.on_forward_stream`), ordered after the
+forward that wrote the state and before any later forward that reuses the freed device slot; a host-to-device
+restore runs inside the forward of the hit's batch, on the same stream (`anchor_copy`), before the replay that reads
+it. Both go through this pool's own pinned slots, which only later copies on that stream overwrite.
 `copy_seconds` is the host's wall time for the copies: on CUDA that is the time to enqueue them.
 """
 
