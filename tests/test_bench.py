@@ -543,3 +543,21 @@ def test_overhead_ratios_pair_each_repetition_and_report_every_server_pair():
     assert row["reps"] == 3 and row["ratio_min"] == 0.9 and abs(row["ratio_max"] - 1.1) < 1e-12
     assert row["ratio_median"] == 1.0 and [round(x, 6) for x in row["ratio_median_per_pair"]] == [1.05, 0.9]
     assert row["stock_median"] == 1.0 and row["tail_replay_median"] == 1.55  # every sample of each arm
+
+
+def test_page_faults_ratio_pairs_the_same_prompt_and_skips_each_servers_first():
+    """bench/page_faults.py: Tail-Replay / stock TTFT per repetition of one policy (both servers got that
+    repetition's prompt), its first request (heap growth under either policy) left out; the /proc counters of a
+    process tree are read for a live process."""
+    import os
+
+    page_faults = load_bench("page_faults")
+    samples = [{"policy": policy, "rep": rep, "arm": arm, "ttft_s": t}
+               for policy, rep, arm, t in [("kept", 0, "stock", 1.0), ("kept", 0, "tail_replay", 9.0),
+                                           ("kept", 1, "stock", 2.0), ("kept", 1, "tail_replay", 2.2),
+                                           ("kept", 2, "stock", 4.0), ("kept", 2, "tail_replay", 4.0),
+                                           ("glibc", 1, "stock", 1.0), ("glibc", 1, "tail_replay", 3.0)]]
+    assert abs(page_faults.ratio(samples, "kept") - 1.05) < 1e-12
+    assert page_faults.ratio(samples, "glibc") == 3.0
+    faults, user, system = page_faults.counters(os.getpid())
+    assert faults > 0 and user > 0 and system >= 0

@@ -4,6 +4,7 @@ import os
 
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch to its CPU engine (`is_cpu()` wants "1")
 DISABLE_CPU_FALLBACK_ENV = "TAILREPLAY_DISABLE_CPU_FALLBACK"
+GLIBC_MALLOC_ENV = "TAILREPLAY_CPU_GLIBC_MALLOC"  # "default": glibc's own policy, not allocator.py's
 MAMBA_CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's conv-state dtype (default bfloat16), read at pool build
 
 
@@ -14,6 +15,10 @@ def cpu_engine_requested() -> bool:
 
 def cpu_fallback_disabled() -> bool:
     return os.environ.get(DISABLE_CPU_FALLBACK_ENV) == "1"
+
+
+def keep_glibc_malloc_defaults() -> bool:
+    return os.environ.get(GLIBC_MALLOC_ENV) == "default"
 
 
 def default_mamba_conv_dtype(dtype_name: str) -> None:

@@ -7,6 +7,7 @@ engine without AMX; `ELSEWHERE` lists the import hooks that `sglang_cpu_compat.p
 `tests/cpu_compat/test_compat_hooks.py` checks that every target exists in the installed SGLang.
 """
 
+from sglang_cpu_compat.allocator import keep_freed_memory
 from tailreplay_sglang.hooks import Hook, _register
 
 _SRT = "sglang.srt"
@@ -55,6 +56,15 @@ CPU_ENGINE = (
     Hook(f"{_SRT}.models.nemotron_h.NemotronHMoE._forward_core_normal", "replace",
          f"{_PKG}.moe:nemotron_h_moe_core",
          "Nemotron-H's MoE router GEMM asks torch.mm for a float32 output dtype, which has no CPU kernel"),
+    Hook(f"{_SRT}.mem_cache.pool_host.mha.MHATokenToKVPoolHost", "call", f"{_PKG}.kvcacheio:install",
+         "HiCache's host pools (KV, MLA, mamba) import their copies from sgl_kernel.kvcacheio only on CUDA / ROCm / "
+         "XPU: the `direct` io backend's three bound to torch gathers and scatters"),
+    Hook(f"{_SRT}.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",
+         "HiCache's KV host pool pins its buffer (cudaHostRegister) by default, which a CPU-only torch refuses"),
+    Hook(f"{_SRT}.mem_cache.pool_host.mla.MLATokenToKVPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",
+         "the same for the MLA host pool (Kimi Linear)"),
+    Hook(f"{_SRT}.mem_cache.pool_host.mamba.MambaPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",
+         "the same for the mamba-state host pool (it does not call the base pool's __init__)"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),
@@ -73,9 +83,12 @@ ELSEWHERE = (
 
 
 def register() -> None:
-    """Plugin `sglang_cpu_compat`: only on SGLang's CPU engine without AMX, so GPU and AMX runs keep SGLang's own
-    kernels."""
+    """Plugin `sglang_cpu_compat`: on SGLang's CPU engine, glibc malloc keeps what forwards free (`allocator.py`);
+    the hooks only without AMX, so GPU and AMX runs keep SGLang's own kernels."""
     from sglang.srt.utils import cpu_has_amx_support, is_cpu
 
-    if is_cpu() and not cpu_has_amx_support():
+    if not is_cpu():
+        return
+    keep_freed_memory()
+    if not cpu_has_amx_support():
         _register(CPU_ENGINE)
