@@ -2,19 +2,21 @@
 multi-turn chat where stock already hits exactly.
 
     python bench/pressure.py [--preset small] [--budget-mib 160] [--mamba-slots 12] [--host-anchors 256] \
-        [--tenants 3] [--clients 4] [--scale 1.0] [--chat-clients 3] [--chat-turns 8] [--out runs/pressure.json]
+        [--hicache-gb 2] [--arms ...] [--tenants 3] [--clients 4] [--scale 1.0] [--chat-clients 3] [--chat-turns 8] \
+        [--out runs/pressure.json]
 
 Every server runs SGLang's GPU-default scheduling (no strategy flag: extra_buffer with the overlap scheduler), as
 users run it.
 
-Pressure trace. Arms: stock, Tail-Replay with device anchors only (evicted least recently used first:
+Pressure trace. Arms (`--arms`): stock, Tail-Replay with device anchors only (evicted least recently used first:
 `--tail-replay-anchor-keep lru`, and the default `ends`: branch points and path ends kept first), Tail-Replay with
-`--tail-replay-host-anchors`.
+`--tail-replay-host-anchors`, and stock with SGLang's HiCache host tier (`--hicache-size --hicache-gb` of host
+memory for KV and states, the `direct` io backend the CPU port provides).
 Equal device memory: each server's token pool gets `--budget-mib` over the bytes per token it charges to the device
 (FA KV, plus the stored hiddens for Tail-Replay: `tailreplay_eval.memory.device_bytes_per_token`), and all get the
 same `--mamba-slots` device states (running requests, stock's checkpoints, Tail-Replay's anchors) and 4 running
-requests; host anchors live in host memory and are not charged. The trace, the same token ids for every arm
-(answers are each server's own): `--tenants` system prompts of 1024 tokens, each with
+requests; host anchors and the HiCache host tier live in host memory and are not charged. The trace, the same token
+ids for every arm (answers are each server's own): `--tenants` system prompts of 1024 tokens, each with
 - two chats of 4 turns (a 48-token question, a 16-token answer fed back),
 - a 1500-token document sent once and then forked 3 times at random points with 48 new tokens,
 - a long continuation: the document, its answer and 600 more tokens, twice growing;
@@ -52,7 +54,9 @@ from tailreplay_sglang.pool_report import KEY as POOLS_KEY
 
 ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay", "--tail-replay-anchor-keep", "lru"),
         "Tail-Replay, device anchors (keep ends)": ("--enable-tail-replay",),
-        "Tail-Replay, host anchors": ("--enable-tail-replay", "--tail-replay-host-anchors")}  # + N
+        "Tail-Replay, host anchors": ("--enable-tail-replay", "--tail-replay-host-anchors"),  # + N
+        "stock, HiCache host tier": ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                                     "--hicache-size")}  # + GB
 SERVER_FLAGS = ("--enable-cache-report",)
 SYSTEM_TOKENS, DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 1024, 1500, 48, 16, 600
 
@@ -255,6 +259,8 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=160, help="device memory for each server's token pool")
     ap.add_argument("--mamba-slots", type=int, default=12, help="--max-mamba-cache-size of every pressure server")
     ap.add_argument("--host-anchors", type=int, default=256, help="--tail-replay-host-anchors of the host arm")
+    ap.add_argument("--hicache-gb", type=float, default=2, help="--hicache-size of the HiCache arm (host memory)")
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="pressure arms to run")
     ap.add_argument("--tenants", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every token count of the trace")
@@ -265,8 +271,9 @@ def main() -> None:
     run = harness.Run.begin(args)
     console = Console(width=170)
     vocab = harness.vocab_size(run.model_path)
-    flags = {label: (*SERVER_FLAGS, *arm, *((str(args.host_anchors),) if "host" in label else ()))
-             for label, arm in ARMS.items()}
+    sizes = {"--tail-replay-host-anchors": str(args.host_anchors), "--hicache-size": f"{args.hicache_gb:g}"}
+    flags = {label: (*SERVER_FLAGS, *arm, *((sizes[arm[-1]],) if arm and arm[-1] in sizes else ()))
+             for label, arm in ARMS.items() if label in args.arms}
     tokens = {label: int(args.budget_mib * 2**20 // device_bytes_per_token(run.model_path, run.server_args, f))
               for label, f in flags.items()}
     configs = {label: (*f, *run.server_args, "--max-total-tokens", str(tokens[label]), "--max-mamba-cache-size",
