@@ -154,7 +154,9 @@ def resolve(hook: Hook):
     return pkgutil.resolve_name(hook.fn)
 
 
-def _register(table, runtime=None) -> None:
+def register_table(table, runtime=None) -> None:
+    """Register a table's rows with SGLang's HookRegistry (`call` rows run now); the CPU port registers its own
+    table through this too, so that both read and apply alike."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for hook in table:
@@ -169,9 +171,9 @@ def _register(table, runtime=None) -> None:
 
 def register_always() -> None:
     """Plugin `tailreplay`, every process; `MODEL_LOADER` where SGLang's model loader is already loaded."""
-    _register(ALWAYS)
+    register_table(ALWAYS)
     if all(hook.target.rpartition(".")[0] in sys.modules for hook in MODEL_LOADER):
-        _register(MODEL_LOADER)
+        register_table(MODEL_LOADER)
 
 
 def runtime_tables(runtime) -> tuple[Hook, ...]:
@@ -181,7 +183,7 @@ def runtime_tables(runtime) -> tuple[Hook, ...]:
 
 def register_runtime(runtime) -> None:
     """Scheduler process with Tail-Replay enabled: the `bound` rows get its runtime."""
-    _register(runtime_tables(runtime), runtime)
+    register_table(runtime_tables(runtime), runtime)
 
 
 def verify_applied(runtime, patched=None) -> None:

@@ -40,7 +40,7 @@ def test_a_row_is_bound_exactly_when_its_function_takes_the_runtime(hook):
 
 def test_no_other_module_registers_a_hook():
     """HookRegistry.register, register_radix_cache_backend and the registries are called from hooks.py only
-    (through `hooks._register`), so the table cannot fall behind the code."""
+    (through `hooks.register_table`), so the table cannot fall behind the code."""
     assert set(hook_registry_callers(PACKAGE)) == {"hooks.py"}
 
 

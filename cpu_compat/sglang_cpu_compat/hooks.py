@@ -1,6 +1,6 @@
 """Every point where the CPU port changes SGLang 0.5.23, in one table, and the code that registers it.
 
-Rows are the plugin's `tailreplay_sglang.hooks.Hook` and are registered by its `_register`, so that the port's
+Rows are the plugin's `tailreplay_sglang.hooks.Hook` and are registered by its `register_table`, so that the port's
 changes read, resolve and apply exactly as the plugin's do (its module docstring describes the kinds). `CPU_ENGINE`
 is registered by the SGLang plugin entry point `sglang_cpu_compat` in every SGLang process, and only on SGLang's CPU
 engine without AMX; `ELSEWHERE` lists the import hooks that `sglang_cpu_compat.pth` installs at interpreter start.
@@ -8,7 +8,7 @@ engine without AMX; `ELSEWHERE` lists the import hooks that `sglang_cpu_compat.p
 """
 
 from sglang_cpu_compat.allocator import keep_freed_memory
-from tailreplay_sglang.hooks import Hook, _register
+from tailreplay_sglang.hooks import Hook, register_table
 
 _SRT = "sglang.srt"
 _RUNNER = f"{_SRT}.model_executor.model_runner.ModelRunner"
@@ -91,4 +91,4 @@ def register() -> None:
         return
     keep_freed_memory()
     if not cpu_has_amx_support():
-        _register(CPU_ENGINE)
+        register_table(CPU_ENGINE)

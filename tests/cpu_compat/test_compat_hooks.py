@@ -1,6 +1,6 @@
 """The CPU port's table of SGLang change points (`sglang_cpu_compat/hooks.py`) matches the installed SGLang: every
-target exists and every function resolves; it registers through the plugin's `_register` only; its .pth import hooks
-serve only SGLang's CPU engine and never break an import."""
+target exists and every function resolves; it registers through the plugin's `register_table` only; its .pth import
+hooks serve only SGLang's CPU engine and never break an import."""
 
 import inspect
 import pkgutil
@@ -41,7 +41,7 @@ def test_the_import_hooks_are_what_the_pth_file_installs(hook):
 
 
 def test_no_module_of_the_port_registers_a_hook_itself():
-    """HookRegistry.register is reached only through the plugin's `hooks._register`, from the port's table."""
+    """HookRegistry.register is reached only through the plugin's `hooks.register_table`, from the port's table."""
     assert hook_registry_callers(PACKAGE) == []
 
 
