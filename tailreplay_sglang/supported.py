@@ -34,9 +34,10 @@ SUPPORTED = {
     "enable_streaming_session": ((False,), "--enable-streaming-session", "sessions hold slots outside the match"),
     "enable_session_radix_cache": ((False,), "--enable-session-radix-cache", "sessions hold slots outside the match"),
     "moe_a2a_backend": (("none",), "--moe-a2a-backend", "the replay completes MoE sums with TP all-reduces only"),
-    # auto resolves to one of the two (extra_buffer wherever the overlap scheduler or paging is on)
-    "mamba_radix_cache_strategy": (("auto", "no_buffer", "extra_buffer"), "--mamba-radix-cache-strategy",
-                                   "extra_buffer_lazy allocates track slots at chunk boundaries (not tested)"),
+    # auto resolves to no_buffer or extra_buffer (extra_buffer wherever the overlap scheduler or paging is on);
+    # extra_buffer_lazy (track slots taken at boundaries) is tested like extra_buffer (tests/test_production_path.py)
+    "mamba_radix_cache_strategy": (("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"),
+                                   "--mamba-radix-cache-strategy", "not a strategy SGLang 0.5.23 has"),
     # page sizes dividing the 64-token GDN chunk keep every track point and chunk-aligned anchor on a page boundary
     # (a hit is matched to the page and the rest of it recomputed, as stock does); None: SGLang's default, 1
     "page_size": ((None, 1, 2, 4, 8, 16, 32, 64), "--page-size", "pages larger than the 64-token GDN chunk"),

@@ -26,6 +26,10 @@ TRACK = 64  # SGLang's prefill track grid at page size 1 and 16: lcm(max(64, pag
 INTERVAL = 128
 PAGE = 16
 HOST_ANCHORS = 64
+LAZY = ("--mamba-radix-cache-strategy", "extra_buffer_lazy")
+STRATEGY = {"stock": "extra_buffer", "tail_replay": "extra_buffer", "lazy": "extra_buffer_lazy"}
+TAIL_REPLAY_SERVERS = pytest.mark.parametrize("name", ["tail_replay", "lazy"])
+SMALL_POOLS = pytest.mark.parametrize("name", ["small_pool", "small_pool_lazy"])
 TAIL_REPLAY = ("--enable-tail-replay", "--dtype", "float32", "--enable-cache-report", "--tail-replay-anchor-interval",
                str(INTERVAL), "--chunked-prefill-size", "256")
 
@@ -38,14 +42,19 @@ def servers(tiny_qwen35, tmp_path_factory):
     - small_pool: the same with 16-token pages and 12 mamba slots for 3 running requests (each holds a live slot
       and two track slots), so anchors are evicted while requests run, and HOST_ANCHORS host-memory anchors that
       take them in. (The device-only pool under pressure: tests/test_reliability.py's 3-slot server and the
-      anchored cache property tests.)"""
+      anchored cache property tests.)
+    - lazy, small_pool_lazy: tail_replay and small_pool under `--mamba-radix-cache-strategy extra_buffer_lazy`
+      (SGLang's strategy for speculative decoding: track slots taken at boundaries, one per request), which the
+      Tail-Replay tests run on too."""
     gpu = {"gpu_scheduling": True}
+    small = (*TAIL_REPLAY, "--max-mamba-cache-size", "12", "--page-size", str(PAGE), "--tail-replay-host-anchors",
+             str(HOST_ANCHORS))
     yield from start_servers(tmp_path_factory, {
         "stock": Spec(tiny_qwen35, ("--dtype", "float32", "--enable-cache-report", "--page-size", "16"), kwargs=gpu),
         "tail_replay": Spec(tiny_qwen35, TAIL_REPLAY, kwargs=gpu),
-        "small_pool": Spec(tiny_qwen35, (*TAIL_REPLAY, "--max-mamba-cache-size", "12", "--page-size", str(PAGE),
-                                         "--tail-replay-host-anchors", str(HOST_ANCHORS)),
-                           kwargs={**gpu, "max_running_requests": 3}),
+        "lazy": Spec(tiny_qwen35, (*TAIL_REPLAY, *LAZY), kwargs=gpu),
+        "small_pool": Spec(tiny_qwen35, small, kwargs={**gpu, "max_running_requests": 3}),
+        "small_pool_lazy": Spec(tiny_qwen35, (*small, *LAZY), kwargs={**gpu, "max_running_requests": 3}),
     })
 
 
@@ -56,10 +65,10 @@ def cold_equals_hf(srv, hf_model, prompt) -> dict:
     return cold
 
 
-@pytest.mark.parametrize("name", ["stock", "tail_replay"])
+@pytest.mark.parametrize("name", list(STRATEGY))
 def test_servers_run_extra_buffer_with_the_overlap_scheduler(servers, name):
     info = requests.get(f"{servers[name].base_url}/server_info", timeout=30).json()
-    assert info["mamba_radix_cache_strategy"] == "extra_buffer"
+    assert info["mamba_radix_cache_strategy"] == STRATEGY[name]
     assert info["disable_overlap_schedule"] is False
 
 
@@ -73,12 +82,13 @@ def test_stock_equals_hf_and_hits_on_its_track_grid(servers, hf_qwen35):
     assert resend["output_ids"] == cold["output_ids"]
 
 
+@TAIL_REPLAY_SERVERS
 @pytest.mark.parametrize("answer", [6, 80])
-def test_tail_replay_equals_hf_cold_and_a_resend_starts_at_its_track_point(servers, hf_qwen35, answer):
+def test_tail_replay_equals_hf_cold_and_a_resend_starts_at_its_track_point(servers, hf_qwen35, answer, name):
     """The request's state was tracked at its last track point, not where it ended. A resend of prompt and answer
     hits there: within --tail-replay-fold-tokens of it (a 6-token answer), the extend computes the rest, as after a
     stock hit; past it (an 80-token answer: decode tracks a state every 256 tokens), the rest is replayed."""
-    srv, prompt = servers["tail_replay"], random_ids(300, seed=1)
+    srv, prompt = servers[name], random_ids(300, seed=1)
     cold = cold_equals_hf(srv, hf_qwen35, prompt)
     if answer != len(cold["output_ids"]):
         cold = generate(srv, prompt, answer)
@@ -114,11 +124,12 @@ def test_chat_turns_hit_their_previous_turn_at_least_where_stock_does(servers):
         assert_exact(out, no_cache(srv, prompt, len(prompt) - 1, 5))
 
 
+@TAIL_REPLAY_SERVERS
 @pytest.mark.parametrize("seed", [3, 4])
-def test_forks_at_random_points_replay_less_than_the_interval_and_equal_no_cache(servers, seed):
+def test_forks_at_random_points_replay_less_than_the_interval_and_equal_no_cache(servers, seed, name):
     """The nearest anchor of a fork is an interval anchor, a chunk's or a track point: fewer than INTERVAL tokens
     back. Stock on the same fork would hit at most to the track grid."""
-    srv = servers["tail_replay"]
+    srv = servers[name]
     rng = random.Random(seed)
     base = random_ids(1000, seed=seed)
     flush_cache(srv.base_url)
@@ -132,8 +143,9 @@ def test_forks_at_random_points_replay_less_than_the_interval_and_equal_no_cache
         assert_exact(hit, no_cache(srv, ids, cut))
 
 
-def test_eight_concurrent_hits_are_exact(servers):
-    srv = servers["tail_replay"]
+@TAIL_REPLAY_SERVERS
+def test_eight_concurrent_hits_are_exact(servers, name):
+    srv = servers[name]
     flush_cache(srv.base_url)
     prefix = random_ids(700, seed=6)
     generate(srv, prefix, 1)
@@ -146,10 +158,11 @@ def test_eight_concurrent_hits_are_exact(servers):
     assert pool_leaks(wait_idle(srv.base_url)) == []
 
 
-def test_paged_kv_hits_to_the_page_and_equals_no_cache(servers):
+@SMALL_POOLS
+def test_paged_kv_hits_to_the_page_and_equals_no_cache(servers, name):
     """16-token pages: SGLang's tree keys whole pages, so a hit ends on the last page boundary of the match and the
     rest of that page is recomputed by the extend; the replay reaches the page boundary exactly."""
-    srv = servers["small_pool"]
+    srv = servers[name]
     flush_cache(srv.base_url)
     base = random_ids(600, seed=11)
     for cut in (200, 333, 517):
@@ -162,13 +175,14 @@ def test_paged_kv_hits_to_the_page_and_equals_no_cache(servers):
         assert_exact(hit, no_cache(srv, ids, cut))
 
 
-def test_small_pool_with_host_anchors_keeps_hits_exact(servers):
+@SMALL_POOLS
+def test_small_pool_with_host_anchors_keeps_hits_exact(servers, name):
     """12 mamba slots, 3 requests at a time: forks and chat turns on 5 prompts race for slots and evict anchors
     (with device anchors only, 4 of these 16 hits were exact, measured 2026-12-02; docs/results.md, section 2e).
     Evicted anchors
     move to the host pool and hits copy them back: at least 95 % of hits are exact, every one equals the no-cache
     prefill, host hits are counted and nothing leaks."""
-    srv = servers["small_pool"]
+    srv = servers[name]
     flush_cache(srv.base_url)
     before = wait_idle(srv.base_url)
     prompts = [random_ids(500, seed=100 + i) for i in range(5)]
@@ -193,12 +207,13 @@ def test_small_pool_with_host_anchors_keeps_hits_exact(servers):
         assert_exact(hit, no_cache(srv, ids, len(ids) - 4))
 
 
-def test_soak_on_the_small_paged_pool(servers):
+@SMALL_POOLS
+def test_soak_on_the_small_paged_pool(servers, name):
     """The reliability soak (tests/soak.py: forks, resends, continuations, aborts by hang-up and by API, bad token
     ids, flushes, 4 clients) on extra_buffer with the overlap scheduler, 16-token pages and 12 mamba slots: no
     error, nothing leaks, and every output served as exact equals the no-cache prefill (its first token always; a
     later greedy token may flip on a float32 near-tie, see check_against_no_cache)."""
-    srv = servers["small_pool"]
+    srv = servers[name]
     flush_cache(srv.base_url)
     report = run_soak(srv.base_url, SoakConfig(requests=80, clients=4, seed=1))
     assert report.errors == [] and report.hits > 0 and report.aborted > 0
@@ -210,14 +225,15 @@ def test_soak_on_the_small_paged_pool(servers):
     assert len(mismatches) <= max(1, len(exact) // 50), mismatches
 
 
-def test_bursts_of_track_aligned_prompts_leave_every_donation_a_slot(servers):
+@SMALL_POOLS
+def test_bursts_of_track_aligned_prompts_leave_every_donation_a_slot(servers, name):
     """S1 (`../shared/notes/gpu-path-review.md`): under the overlap scheduler a batch's chunk-end donations need a
     mamba slot after the next batch has planned its interval anchors, which reserve one slot per request of their own
     batch only. Bursts of 6 concurrent prompts whose lengths are multiples of the track grid (each donated state
     lands on its own locked node, freeing nothing) and one longer prompt, on 12 slots for 3 running requests (just
     above 3 x 3): every request completes (the scheduler would die on "Can not alloc mamba cache"), and the pools
     drain."""
-    srv = servers["small_pool"]
+    srv = servers[name]
     flush_cache(srv.base_url)
     for burst in range(8):
         prompts = [random_ids(6 * TRACK, seed=3000 + 10 * burst + i) for i in range(6)]

@@ -33,7 +33,7 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("mamba_radix_cache_strategy", "extra_buffer_lazy"), ("page_size", 128),
+    ("page_size", 128),
     ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "decode"), ("enable_lora", True),
     ("lora_paths", ["adapter"]), ("speculative_algorithm", "EAGLE"), ("enable_int8_mamba_checkpoint", True),
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),
