@@ -183,3 +183,36 @@ def test_float8_rows_decode_within_e4m3_rounding_of_what_was_written(magnitude):
     step = values.abs().amax(-1, keepdim=True) / 448 * 2 ** -9  # e4m3's smallest subnormal, scaled
     assert ((got - values).abs() <= values.abs() / 16 + step).all()
     assert (got - values).abs().max() > 0  # it is lossy: the test would pass vacuously on a float32 store
+
+
+# ---- the store's HiCache host pool (store/hicache_pool.py), as SGLang's controller and file backend call it ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_hicache_host_pool_round_trips_rows_through_host_and_l3_pages(dtype):
+    """Device slots -> host slots (a backup with the KV), host -> other device slots (a load-back into fresh KV
+    slots), and host pages -> bytes -> another server's host pool (the file backend's write and read) all give back
+    the rows and token ids that were stored, for each encoding."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    page = 4
+    store = HiddenStore(LAYOUT, 64, dtype, DEVICE)
+    _fill(store, seed=3)
+    pool = HiddenHostPool(store, size=32, page_size=page)
+    dev = torch.arange(8, 20, device=DEVICE)  # 12 tokens = 3 pages of KV, stored at host slots 16..27
+    host = torch.arange(16, 28)
+    pool.backup_from_device_all_layer_physical(store, host, dev, "direct")
+    fresh = torch.arange(40, 52, device=DEVICE)
+    pool.load_to_device_per_layer_physical(store, host, fresh, 0, "direct")
+    for layer in (4, 8):
+        assert torch.equal(store.read_hidden(layer, fresh), store.read_hidden(layer, dev))
+    assert torch.equal(store.read_tokens(fresh), store.read_tokens(dev))
+
+    other = HiddenHostPool(store, size=32, page_size=page)  # a second server's pool, reading the file backend
+    for start in range(16, 28, page):
+        data = pool.get_data_page(start)
+        assert data.dtype == torch.uint8 and data.numel() == page * pool.size_per_token
+        landing = other.get_dummy_flat_data_page()
+        landing.copy_(data)
+        other.set_from_flat_data_page(start - 16, landing)  # a different host slot on the other server
+    assert torch.equal(other.hiddens[:, :12].view(torch.uint8), pool.hiddens[:, 16:28].view(torch.uint8))
+    assert torch.equal(other.token_ids[:12], pool.token_ids[16:28]) and other.token_ids[:12].any()

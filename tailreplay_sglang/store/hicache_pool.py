@@ -1,0 +1,72 @@
+"""The hidden store's host pool for SGLang's HiCache: its rows go to host memory and back, and to L3, with the KV
+pages they belong to (issue 42; not wired into the cache yet, `supported.py` still refuses HiCache).
+
+HiCache moves a node's KV between the device pool and its host pool; a pool registered as a KV-derived sidecar
+(`UnifiedRadixCache.register_sidecar_pool`, `indices_from_pool=KV`) is moved in the same operation, addressed by the
+same device and host indices (`../shared/notes/hicache-sidecar.md`). The store is addressed by KV slot, so its host
+twin is addressed by KV host slot: one row per host slot, laid out `[groups, host slots, row]` like the store, with
+the token ids beside it. The methods are the ones SGLang's controller calls on a host pool (`HostKVCache`'s names
+and arguments); `device_pool` is the `HiddenStore`. L3 pages (`get_data_page` / `set_from_flat_data_page`) are the
+bytes of `page_size` consecutive host slots: every group's rows, then the token ids.
+"""
+
+import torch
+
+from tailreplay_sglang.store.hidden_store import TOKEN_ID_BYTES, HiddenStore
+
+
+class HiddenHostPool:
+    can_use_write_back_jit = False  # SGLang's JIT write-back kernels know KV layouts only
+    shared_allocation_domain = None
+    layer_num = 1  # one transfer per load-back, before the forward's first layer
+
+    def __init__(self, store: HiddenStore, size: int, page_size: int, pin_memory: bool = False):
+        self.store, self.size, self.page_size = store, size, page_size
+        groups, row = store.hiddens.shape[0], store.hiddens.shape[-1]
+        self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
+        self.token_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory)
+        self.size_per_token = groups * row * self.hiddens.element_size() + TOKEN_ID_BYTES
+
+    @property
+    def logical_size(self) -> int:
+        return self.size
+
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        return host_indices.long().cpu(), device_indices.long().to(self.store.hiddens.device)
+
+    # ---- L2: device <-> host, with the KV ----
+
+    def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
+        self.hiddens[:, host] = device_pool.hiddens[:, dev].to(self.hiddens.device)
+        self.token_ids[host] = device_pool.token_ids[dev].to(self.token_ids.device)
+
+    def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                          *, is_draft: bool = False) -> None:
+        host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
+        device_pool.hiddens[:, dev] = self.hiddens[:, host].to(device_pool.hiddens.device)
+        device_pool.token_ids[dev] = self.token_ids[host].to(device_pool.token_ids.device)
+
+    # ---- L3: a page of host slots as bytes ----
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        pages = slice(index, index + self.page_size)
+        parts = [self.hiddens[:, pages].contiguous().view(torch.uint8).flatten(),
+                 self.token_ids[pages].contiguous().view(torch.uint8).flatten()]
+        return torch.cat(parts)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        pages = slice(index, index + self.page_size)
+        split = self.hiddens[:, pages].numel() * self.hiddens.element_size()
+        rows = data_page[:split].view(self.hiddens.dtype).view(self.hiddens.shape[0], self.page_size, -1)
+        self.hiddens[:, pages] = rows
+        self.token_ids[pages] = data_page[split:].view(torch.int64)
+
+    def clear(self) -> None:
+        """Host slots are reused as the KV host pool reuses them: nothing to reset."""
+
+    def destroy(self) -> None:
+        pass
