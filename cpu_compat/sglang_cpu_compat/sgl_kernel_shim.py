@@ -44,7 +44,17 @@ def causal_conv1d_fn_cpu(mixed_qkv_transposed, conv_weights, bias, activation, c
                                   cache_indices, has_initial_state, activation)
 
 
+# What the GDN target-verify of speculative decoding passes to the conv update (`gdn_backend.py`): each draft step's
+# conv window goes into `intermediate_conv_window`, which the commit after verification copies into the states.
+SPEC_VERIFY_ARGS = ("intermediate_conv_window", "intermediate_state_indices", "retrieve_next_token",
+                    "retrieve_next_sibling", "retrieve_parent_token")
+
+
 def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None, **unused):
+    verify = [name for name in SPEC_VERIFY_ARGS if unused.get(name) is not None]
+    if verify:  # dropping them would leave the windows unwritten and the committed conv states wrong, silently
+        raise NotImplementedError(f"causal_conv1d_update_cpu: speculative decoding's target verify "
+                                  f"({', '.join(verify)}) is not ported to the CPU engine")
     return conv.causal_conv1d_update(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices)
 
 

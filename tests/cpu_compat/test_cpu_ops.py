@@ -259,6 +259,17 @@ o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
     initial_state_indices=torch.tensor([1, 3]), cu_seqlens=torch.tensor([0, 1, 2]), use_qk_l2norm_in_kernel=True,
     softplus_beta=1.0, softplus_threshold=20.0)
 assert o.shape == (1, 2, 2, 8) and pool[1].abs().sum() > 0 and pool[0].abs().sum() == 0
+conv_states, weights = torch.zeros(3, 4, 3), torch.randn(4, 4)
+out = causal_conv1d_update_cpu(torch.randn(2, 4), conv_states, weights, None, "silu",
+                               conv_state_indices=torch.tensor([0, 2]), intermediate_conv_window=None)
+assert out.shape == (2, 4) and conv_states[2].abs().sum() > 0 and conv_states[1].abs().sum() == 0
+try:  # speculative decoding's verify would lose its per-step windows: refused, not dropped
+    causal_conv1d_update_cpu(torch.randn(2, 4, 3), conv_states, weights, None, "silu",
+                             conv_state_indices=torch.tensor([0, 2]), intermediate_conv_window=torch.zeros(3, 3, 4, 3))
+except NotImplementedError as e:
+    assert "intermediate_conv_window" in str(e)
+else:
+    raise AssertionError("the verify's conv windows were dropped")
 try:
     sgl_kernel.merge_state_v2()
 except NotImplementedError as e:
