@@ -58,10 +58,10 @@ def servers(tiny_qwen35, tmp_path_factory, shared_l3):
                                                 "gpu_b": spec(shared, True)})
 
 
-def hit_len(name: str) -> int:
-    """Where a hit on a CONTEXT-token prompt that ended its first request lands: the request's end under no_buffer,
+def hit_len(name: str, length: int = CONTEXT) -> int:
+    """Where a hit on a `length`-token prompt that ended its first request lands: the request's end under no_buffer,
     its last track point under extra_buffer."""
-    return CONTEXT if STRATEGY[name] == "no_buffer" else CONTEXT // TRACK * TRACK
+    return length if STRATEGY[name] == "no_buffer" else length // TRACK * TRACK
 
 
 def reference(server, hf_qwen35, prompt) -> dict:
@@ -109,8 +109,8 @@ def test_ten_contexts_through_the_host_tier_all_hit_exactly(servers, name):
         prompt = context + random_ids(QUESTION, seed=60 + i)
         hits.append((prompt, scored(srv, prompt, len(context))))
     for (prompt, hit), context in zip(hits, contexts):
-        grid = len(context) if STRATEGY[name] == "no_buffer" else len(context) // TRACK * TRACK
-        assert hit["meta"]["cached_tokens_details"]["host"] == grid, hit["meta"]["cached_tokens_details"]
+        assert hit["meta"]["cached_tokens_details"]["host"] == hit_len(name, len(context)), \
+            hit["meta"]["cached_tokens_details"]
         assert_exact(hit, no_cache(srv, prompt, len(context), extra_key="no-cache reference"))
 
 

@@ -23,9 +23,9 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
 
 
-def _page_first(indices, page_size: int):
-    """Token indices of a page-first buffer -> (page, row within the page)."""
-    indices = indices.long()
+def _page_first(indices, page_size: int, device):
+    """Token indices of a page-first buffer -> (page, row within the page), on the buffer's device."""
+    indices = indices.long().to(device)
     return indices // page_size, indices % page_size
 
 
@@ -42,17 +42,18 @@ def _layers(per_layer: list, page_first: list):
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
                                        page_size: int) -> None:
     """Host (page-first) to device (one tensor per layer), the layers from `layer_id`."""
-    page, row = _page_first(src_indices, page_size)
+    page, row = _page_first(src_indices, page_size, src_ptrs[0].device)
+    dst_indices = dst_indices.long().to(dst_ptrs[0].device)
     for host, j, dst in _layers(dst_ptrs, src_ptrs):
-        dst[dst_indices.long().to(dst.device)] = host[page.to(host.device), layer_id + j, row.to(host.device)].to(
-            dst.device)
+        dst[dst_indices] = host[page, layer_id + j, row].to(dst.device)
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int) -> None:
     """Device (one tensor per layer) to host (page-first), every layer."""
-    page, row = _page_first(dst_indices, page_size)
+    page, row = _page_first(dst_indices, page_size, dst_ptrs[0].device)
+    src_indices = src_indices.long().to(src_ptrs[0].device)
     for host, j, src in _layers(src_ptrs, dst_ptrs):
-        host[page.to(host.device), j, row.to(host.device)] = src[src_indices.long().to(src.device)].to(host.device)
+        host[page, j, row] = src[src_indices].to(host.device)
 
 
 def install() -> None:
