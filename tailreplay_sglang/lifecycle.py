@@ -25,7 +25,7 @@ import torch
 from tailreplay_sglang import hooks, replay, supported, visibility
 from tailreplay_sglang.cache.component import create_tail_replay_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
-from tailreplay_sglang.cache.request import peek
+from tailreplay_sglang.cache.request import is_tainted, peek, retarget
 from tailreplay_sglang.families import family_for
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
@@ -97,6 +97,12 @@ def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
             continue
         match, state.match = state.match, None
         if req.prefix_len > 0 and req.kv.req_pool_idx is not None:
+            if match.matched != req.prefix_len:
+                clean = not is_tainted(batch.tree_cache.tree_core.node_by_id(req.last_node))
+                match = retarget(match, req.prefix_len, clean, runtime.config)
+                state.exact = match.exact
+                logger.debug("Tail-Replay: %s planned for %d tokens, extends from %d: %s", req.rid,
+                             match.matched, req.prefix_len, match)
             runtime.pending.add(int(req.kv.req_pool_idx), match, req)
             if match.anchor != match.matched:
                 replayed_hits.append(req)

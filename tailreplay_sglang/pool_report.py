@@ -38,6 +38,8 @@ def pool_report(scheduler, runtime) -> dict:
         "pending_replays": len(pending),
         "evicted_tokens": runtime.evicted_tokens,
         "evicted_anchors": runtime.evicted_anchors,
+        "hicache_anchor_backups": runtime.hicache_anchor_backups,  # anchors the plugin copied to HiCache's host pool
+        "hicache_anchor_hits": runtime.hicache_anchor_hits,  # hits that started from a state in that pool
         "host_anchors_total": 0 if host is None else host.capacity,
         "host_anchors_used": 0 if host is None else len(host),
         "host_anchor_bytes": 0 if host is None else host.nbytes,

@@ -40,16 +40,21 @@ def replay_start(match: Match, config: TailReplayConfig) -> int:
 def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
          config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
-    spans, mamba_rows, lens, reqs = [], [], [], []
+    spans, mamba_rows, lens, reqs, resets = [], [], [], [], []
     for row, match, req in rows:
+        pool_idx = pool_rows[row]
+        if match.reset:
+            resets.append(pool_idx)
         start = replay_start(match, config)
         if start == match.matched:  # an anchor at the match end, or the paper's zero mode: nothing to replay
             continue
-        pool_idx = pool_rows[row]
         spans.append(pool.req_to_token[pool_idx, start:match.matched].long())
         mamba_rows.append(pool_idx)
         lens.append(match.matched - start)
         reqs.append(req)
+    if resets:  # before the replay, which starts from the slot's state (`retarget`)
+        rows_tensor = torch.tensor(resets, device=pool.req_to_token.device)
+        pool.mamba_pool.clear_slots(pool.translate_mamba_indices(pool.get_mamba_indices(rows_tensor)))
     if not spans:
         return None
     mamba_slots = pool.get_mamba_indices(torch.tensor(mamba_rows, device=pool.req_to_token.device)).long()
@@ -87,6 +92,7 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
     model, pool = runner.model.model, runner.req_to_token_pool
     dtype = model.embed_tokens.weight.dtype
     h2d = HostToDevice(runner.device, h2d_mode)
+    wait_for_loaded_rows(runner)
     inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
     batch.log_survival = torch.full((len(batch.reqs),), float("-inf"), device=batch.mamba_slots.device)
     for group in store.layout.groups:
@@ -97,6 +103,15 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
         else:
             x = store.decode(inputs[key], dtype)
         family.replay_group(model, pool, group, x, batch)
+
+
+def wait_for_loaded_rows(runner) -> None:
+    """Under HiCache a hit's host pages come back layer by layer on the controller's stream, its hidden rows with
+    the first layer's KV (`cache/hierarchy.py`). The replay waits for that layer only: the later layers' KV keeps
+    loading while it runs, and each attention layer of the extend waits for its own (the paper's H2D overlap)."""
+    counter = getattr(runner.token_to_kv_pool, "layer_transfer_counter", None)
+    if counter is not None:
+        counter.wait_until(0)
 
 
 def pool_rows_of(forward_batch) -> list[int]:

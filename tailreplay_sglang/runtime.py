@@ -17,7 +17,7 @@ What it holds, and who fills it:
 - `forward_stream`: the stream the model's forwards run on (CUDA), recorded by every forward, where host-anchor
   saves made while scheduling are ordered;
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
-- `evicted_anchors` / `evicted_tokens`: counters the pool report serves in `/server_info`.
+- `evicted_anchors` / `evicted_tokens` / `hicache_anchor_*`: counters the pool report serves in `/server_info`.
 """
 
 from dataclasses import dataclass, field
@@ -48,6 +48,8 @@ class TailReplayRuntime:
     metrics: "ReplayMetrics | None" = None
     evicted_anchors: int = 0  # recurrent states the tree's mamba LRU has dropped since start-up
     evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up
+    hicache_anchor_backups: int = 0  # anchors copied to HiCache's host mamba pool by the plugin (`component.py`)
+    hicache_anchor_hits: int = 0  # hits that started from a state in HiCache's host mamba pool
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
@@ -64,6 +66,13 @@ class TailReplayRuntime:
         """A hit started from a host state (the host pool counts them too, as `restored`)."""
         if self.metrics is not None:
             self.metrics.host_anchor_hits.inc()
+
+    def count_hicache_anchor_backup(self) -> None:
+        self.hicache_anchor_backups += 1
+
+    def count_hicache_anchor_hit(self) -> None:
+        self.hicache_anchor_hits += 1
+        self.count_host_anchor_hit()
 
     def count_evicted_tokens(self, tokens: int) -> None:
         self.evicted_tokens += tokens

@@ -20,7 +20,9 @@ SGLANG_VERSION = "0.5.23"
 # several flags (attn_dp_size) are named by the flags that set them.
 SUPPORTED = {
     "disable_radix_cache": ((False,), "--disable-radix-cache", "Tail-Replay is a radix cache"),
-    "enable_hierarchical_cache": ((False,), "--enable-hierarchical-cache", "HiCache moves KV the store must follow"),
+    # HiCache: the hidden store and the anchors travel with the KV (cache/hierarchy.py), tested with the host tier
+    # and the `file` storage backend (tests/test_hicache.py); buffer_only stages host copies the store does not follow
+    "hicache_host_memory_mode": (("cache",), "--hicache-host-memory-mode", "buffer_only is not wired"),
     "speculative_algorithm": ((None,), "--speculative-algorithm", "draft and verify forwards are not replayed"),
     "enable_dp_attention": ((False,), "--enable-dp-attention", "its attention-TP groups are not wired into the replay"),
     "attn_dp_size": ((1,), "--enable-dp-attention / --attn-dp-size", "attention data parallelism"),
@@ -54,7 +56,8 @@ SUPPORTED = {
     "enable_unified_cache_external_linker": ((False,), "--enable-unified-cache-external-linker",
                                              "KV loaded from outside comes without its hiddens or taint"),
     "enable_lmcache": ((False,), "--enable-lmcache", "the tail_replay cache backend would bypass LMCache"),
-    "hicache_storage_backend": ((None,), "--hicache-storage-backend", "storage tiers move KV the store must follow"),
+    "hicache_storage_backend": ((None, "file"), "--hicache-storage-backend",
+                                "the hidden pages go through SGLang's page API, tested with `file` only"),
     "enable_pdmux": ((False,), "--enable-pdmux", "prefill/decode multiplexing is not tested"),
     "enable_mis": ((False,), "--enable-mis", "multi-item scoring turns the radix cache off"),
     "enable_linear_replayssm": ((False,), "--enable-linear-replayssm", "SGLang's own recurrent-state replay"),

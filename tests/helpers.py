@@ -309,3 +309,30 @@ def hook_registry_callers(package) -> list[str]:
                     "HookRegistry":
                 callers.append(path.relative_to(package).as_posix())
     return callers
+
+
+# ---- HiCache servers (test_hicache.py, test_hicache_tail_replay.py) ----
+
+CONTEXT, QUESTION, HICACHE_DEVICE_TOKENS = 700, 24, 1200  # three 700-token contexts push an earlier one to the host
+HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-size", "1",
+           "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+           "--dtype", "float32", "--enable-cache-report",
+           # three servers start at once, each allocating a 1 GiB host pool: SGLang's check that the memory left
+           # after loading is within the fraction failed once at 0.1 (the pool itself is set by max_total_tokens)
+           "--mem-fraction-static", "0.5")
+
+
+def hicache_spec(model, l3_folder: Path, gpu_scheduling: bool, *extra: str) -> Spec:
+    """A HiCache server with 1,200-token device pools and its L3 (`file`) in `l3_folder`. Three at a time: SGLang
+    keeps 10 GiB of host memory free of its host pools, so six starting at once (three per module) ran out."""
+    return Spec(model, HICACHE + extra, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(l3_folder)},
+                kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
+
+
+def wait_for_pages(folder: Path, before: int, pages: int, timeout: float = 60.0) -> None:
+    """SGLang writes host pages to L3 from a background thread after the request: wait until `pages` more files
+    are there (one per token page and pool at page size 1, plus the states)."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.iterdir())) < before + pages:
+        assert time.monotonic() < deadline, f"{len(list(folder.iterdir())) - before} of {pages} pages written"
+        time.sleep(0.1)

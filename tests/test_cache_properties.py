@@ -1092,7 +1092,7 @@ def plain_lru_victim(self, lru):
 
 BROKEN_ANCHORED = {
     "a hit replays from the wrong depth": ({"deepest_anchor": anchor_one_token_too_deep},
-                                           "reported exact|longest common prefix"),  # or is folded past its end
+                                           "reported exact|longest common prefix|not marked"),  # or folded past its end
     "approximate states become anchors": (
         {"prepare_for_caching_req": store_every_state, "cleanup_after_caching_req": store_nothing_clean_up_like_stock},
         "approximate state"),
@@ -1124,7 +1124,8 @@ BROKEN_KEEP_ENDS = {
 }
 BROKEN_HOST = {
     "a host anchor is not copied back": ({(HostAnchors, "restore"): restore_nothing}, "reported exact"),
-    "host states outlive their nodes": ({"discard_deleted_session_leaf": keep_deleted_nodes}, "deleted node"),
+    "host states outlive their nodes": ({"discard_deleted_session_leaf": keep_deleted_nodes},
+                                        "deleted node|outlived their nodes"),
 }
 
 

@@ -1,6 +1,7 @@
 """Stock SGLang HiCache on our CPUs (issue 42 item 1): the host tier (L2) and the `file` storage backend (L3) for a
 hybrid GDN model, under the CPU default (no_buffer) and SGLang's GPU default (extra_buffer with the overlap
 scheduler), with the `direct` io backend (`sglang_cpu_compat/kvcacheio.py`; docs/cpu.md says why not `kernel`).
+Tail-Replay on the same tiers: test_hicache_tail_replay.py.
 
 Every hit is checked against the same server's no-cache prefill (`no_cache`, with an `extra_key` of its own so that
 no tier can serve it) and that reference against HF. Device pools hold 1,200 tokens, so three 700-token contexts push
@@ -15,26 +16,19 @@ host hits of ten per server, and in a probe also under bfloat16 and `--hicache-w
 """
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from helpers import Spec, assert_exact, generate, no_cache, random_ids, scored, start_servers
+from helpers import (CONTEXT, QUESTION, assert_exact, generate, hicache_spec, no_cache, random_ids, scored,
+                     start_servers, wait_for_pages)
 from tailreplay_eval.reference import greedy_generate
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
-CONTEXT, QUESTION, DEVICE_TOKENS = 700, 24, 1200
 TRACK = 64  # extra_buffer keeps states every 64 prefill tokens: its hits land on that grid
-HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-size", "1",
-           "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
-           "--dtype", "float32", "--enable-cache-report",
-           # three servers start at once, each allocating a 1 GiB host pool: SGLang's check that the memory left
-           # after loading is within the fraction failed once at 0.1 (the pool itself is set by max_total_tokens)
-           "--mem-fraction-static", "0.5")
 STRATEGY = {"no_buffer": "no_buffer", "gpu_a": "extra_buffer", "gpu_b": "extra_buffer"}
 
 
@@ -47,15 +41,10 @@ def shared_l3(tmp_path_factory) -> Path:
 def servers(tiny_qwen35, tmp_path_factory, shared_l3):
     """no_buffer: the CPU flags, its own L3 folder; gpu_a and gpu_b: SGLang's GPU default scheduling, one L3 folder
     shared (a second server of a cluster reading what the first wrote)."""
-    own, shared = tmp_path_factory.mktemp("l3-own"), shared_l3
-    kwargs = {"max_total_tokens": DEVICE_TOKENS}
-
-    def spec(folder, gpu: bool):
-        return Spec(tiny_qwen35, HICACHE, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(folder)},
-                    kwargs={**kwargs, "gpu_scheduling": gpu})
-
-    yield from start_servers(tmp_path_factory, {"no_buffer": spec(own, False), "gpu_a": spec(shared, True),
-                                                "gpu_b": spec(shared, True)})
+    own = tmp_path_factory.mktemp("l3-own")
+    yield from start_servers(tmp_path_factory, {"no_buffer": hicache_spec(tiny_qwen35, own, False),
+                                                "gpu_a": hicache_spec(tiny_qwen35, shared_l3, True),
+                                                "gpu_b": hicache_spec(tiny_qwen35, shared_l3, True)})
 
 
 def hit_len(name: str, length: int = CONTEXT) -> int:
@@ -127,15 +116,6 @@ def test_a_flushed_server_restores_from_the_file_tier_exactly(servers, hf_qwen35
     assert_exact(hit, reference(srv, hf_qwen35, prompt))
 
 
-def wait_for_pages(folder: Path, before: int, pages: int, timeout: float = 60.0) -> None:
-    """SGLang writes host pages to L3 from a background thread after the request: wait until `pages` more files
-    are there (one per token page at page size 1, plus the states)."""
-    deadline = time.monotonic() + timeout
-    while len(list(folder.iterdir())) < before + pages:
-        assert time.monotonic() < deadline, f"{len(list(folder.iterdir())) - before} of {pages} pages written"
-        time.sleep(0.1)
-
-
 def test_a_second_server_hits_what_the_first_wrote_to_the_file_tier(servers, hf_qwen35, shared_l3):
     """gpu_a computes a context; gpu_b, which never saw it, restores it from their shared L3 folder, on its track
     grid, and answers as its own no-cache prefill."""
@@ -147,3 +127,4 @@ def test_a_second_server_hits_what_the_first_wrote_to_the_file_tier(servers, hf_
     details = hit["meta"]["cached_tokens_details"]
     assert details["storage"] == hit_len("gpu_b") and details["device"] == 0, json.dumps(details)
     assert_exact(hit, reference(servers["gpu_b"], hf_qwen35, prompt))
+

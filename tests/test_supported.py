@@ -39,7 +39,8 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),
     ("ep_size", 2), ("moe_dp_size", 2), ("enable_unified_memory", True), ("enable_page_major_kv_layout", True),
     ("enable_mis", True),
-    ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "file"),
+    ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "mooncake"),
+    ("hicache_host_memory_mode", "buffer_only"),
     ("enable_pdmux", True), ("enable_linear_replayssm", True), ("enable_linear_replayssm_spec", True),
     ("mamba_max_states_per_path", 4),
 ])

@@ -6,20 +6,23 @@ into it by the forward that reads it:
   `ScheduleBatch.prepare_for_extend` gathers the batch's sources into one index tensor and
   `ModelRunner._maybe_execute_deferred_mamba_cow_and_clear` copies them on the stream the forward runs on, after its
   waits;
-- a host anchor by `restore_host`, from the hook that runs right after that copy (`lifecycle.replay_after_clear`).
+- a host anchor (the plugin's host anchors, or HiCache's host mamba pool, where an anchor goes with its node's KV)
+  by `restore_host`, from the hook that runs right after that copy (`lifecycle.replay_after_clear`).
 Copying at the match instead would race the forward on a GPU (`../shared/notes/gpu-path-review.md`, F1).
 
 A stock hit's source is its own match end, which the request's tree lock keeps. Ours is an anchor above it, so it is
 held from the match until its copy no longer needs it:
 - a device anchor by a tree lock until the scheduler has formed the batch. Its slot id is then in the batch's own
   index tensor, and any later write to that slot comes from a later forward, ordered after this copy;
-- a host anchor by a pin in the host pool until the forward's restore has run.
+- a host anchor by a pin in the host pool (HiCache's: a host lock on its node) until the forward's restore has run.
 `release` runs when `Scheduler.get_new_batch_prefill` returns, for the requests of the new batch and for those the
-scheduler matched but did not admit (SGLang frees their slot and clears their copy source itself). So no hold
-outlives the scheduling step that took it, whatever happens to the request later (abort, retraction, flush).
+scheduler matched but did not admit, whose slot it frees (`unstage`) if SGLang has not. So no hold outlives the
+scheduling step that took it, whatever happens to the request later (abort, retraction, flush).
 """
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -27,6 +30,13 @@ class _Held:
     req: object
     node: object  # the anchor's tree node
     lock: object | None  # the tree lock on a device anchor; None for a host anchor (pinned in the host pool)
+    hicache: object | None = None  # the cache whose host lock holds an anchor in HiCache's host mamba pool
+
+    def unhold_host(self, host_anchors) -> None:
+        if self.hicache is not None:
+            self.hicache.dec_host_lock_ref(self.node.id, self.lock.to_dec_params())
+        else:
+            host_anchors.unpin(self.node)
 
 
 class StagedAnchors:
@@ -45,24 +55,74 @@ class StagedAnchors:
         host_anchors.pin(anchor)
         self._held.append(_Held(req, anchor, None))
 
+    def hold_hicache(self, cache, req, anchor) -> None:
+        self._held.append(_Held(req, anchor, cache.inc_host_lock_ref(anchor.id), hicache=cache))
+
     def release(self, cache, host_anchors, admitted) -> None:
         """The scheduler formed its batch (`admitted`: its requests; empty when none was formed)."""
         for held in self._held:
-            if held.lock is not None:
+            is_admitted = any(req is held.req for req in admitted)
+            if held.lock is not None and held.hicache is None:
                 cache.dec_lock_ref(held.node.id, held.lock.to_dec_params())
-            elif any(req is held.req for req in admitted):
+            elif is_admitted:
                 self._restores.append(held)
-            else:  # not admitted: SGLang freed its slot, nothing is restored
-                host_anchors.unpin(held.node)
+            else:
+                held.unhold_host(host_anchors)
+            if not is_admitted:
+                unstage(cache, held.req)
         self._held.clear()
+
+    def drop(self, cache, host_anchors, req) -> None:
+        """Let go of what `req` holds: its plan changed before the batch was formed (`replan_after_load`)."""
+        keep = []
+        for held in self._held:
+            if held.req is not req:
+                keep.append(held)
+            elif held.lock is not None and held.hicache is None:
+                cache.dec_lock_ref(held.node.id, held.lock.to_dec_params())
+            else:
+                held.unhold_host(host_anchors)
+        self._held = keep
 
     def restore_host(self, host_anchors, req_to_token_pool) -> None:
         """In the forward of the batch they were admitted to: each host anchor into its request's slot."""
         for held in self._restores:
             slot = int(req_to_token_pool.translate_mamba_indices(held.req.kv.mamba_pool_idx.view(1))[0])
-            host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)
-            host_anchors.unpin(held.node)
+            if held.hicache is not None:
+                restore_from_hicache(held.hicache, held.node, slot)
+            else:
+                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)
+            held.unhold_host(host_anchors)
         self._restores.clear()
 
     def __len__(self) -> int:
         return len(self._held) + len(self._restores)
+
+
+def unstage(cache, req) -> None:
+    """A request matched but not admitted gives back the slot its match took, as SGLang does for the request its
+    adder stopped at: SGLang keeps it for one it skipped after the match (a HiCache prefetch retried after its device
+    hit was lost), and that request's next match, seeing a slot, would keep a plan whose anchor is released here."""
+    if not req.kv.holds_mamba:
+        return
+    cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+    req.kv.mamba_pool_idx = None
+    req.kv.mamba_cow_src_index = None
+    req.kv.mamba_needs_clear = False
+
+
+def restore_from_hicache(cache, node, device_slot: int) -> None:
+    """Copy `node`'s state from HiCache's host mamba pool into physical device slot `device_slot`, every layer, with
+    the pool's own per-layer copies and SGLang's io backend (`--hicache-io-backend`)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    entry = cache.host_pool_group.get_entry(PoolName.MAMBA)
+    controller = cache.cache_controller
+    host_value = node.component_data[ComponentType.MAMBA].host_value.long().view(-1)
+    # the devices the controller's own transfers put these indices on, for its io backend
+    host_indices, device_indices = controller.move_indices(
+        host_value, torch.tensor([device_slot], dtype=torch.int64, device=controller.device))
+    for layer_id in range(entry.host_pool.num_mamba_layers):
+        entry.host_pool.load_to_device_per_layer(entry.device_pool, host_indices, device_indices, layer_id,
+                                                 controller.io_backend)

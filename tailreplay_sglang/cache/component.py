@@ -29,23 +29,28 @@ import torch
 
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURefreshPhase
+from sglang.srt.mem_cache.unified_cache.components.base import (
+    CacheTransferPhase,
+    EvictLayer,
+    LRURefreshPhase,
+    PrepareLoadBackResult,
+    PreparePrefetchResult,
+)
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.cache.anchors import insert_state_at_depth
-from tailreplay_sglang.cache.request import STATE_DEPTH_ATTR, TAINT_ATTR, Match, is_exact, state_of
+from tailreplay_sglang.cache.request import (
+    STATE_DEPTH_ATTR,
+    TAINT_ATTR,
+    Match,
+    is_exact,
+    is_tainted,
+    peek,
+    state_of,
+)
 from tailreplay_sglang.layout import SUPPORTED
 
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
-
-
-def is_tainted(node) -> bool:
-    """Whether any node on the path from the root to `node` holds KV an approximate request computed."""
-    while node is not None:
-        if getattr(node, TAINT_ATTR, False):
-            return True
-        node = node.parent
-    return False
 
 
 class TailReplayMambaComponent(MambaComponent):
@@ -70,14 +75,17 @@ class TailReplayMambaComponent(MambaComponent):
 
     def deepest_anchor(self, node, depth: int, on_host: bool = True):
         """(node, depth) of the deepest node holding a state on the path ending at `node` (at `depth`), in the
-        device pool or (`on_host`) the host pool, or (None, 0). No anchor is ever used with an exact budget of 0."""
+        device pool or (`on_host`) on the host: HiCache's host mamba pool, where a node's state goes with its KV,
+        or the plugin's host anchors. (None, 0) if there is none; no anchor is ever used with an exact budget of 0."""
         if not self.runtime.config.anchored:
             return None, 0
         ct, host = self.component_type, self.runtime.host_anchors if on_host else None
         if host is not None:
             host.follow_tree(self.tree_core.root_node)
         while node is not None and node is not self.tree_core.root_node:
-            if node.component_data[ct].value is not None or (host is not None and node in host):
+            data = node.component_data[ct]
+            if data.value is not None or (on_host and data.host_value is not None) or (
+                    host is not None and node in host):
                 return node, depth
             depth -= len(node.key)
             node = node.parent
@@ -88,43 +96,72 @@ class TailReplayMambaComponent(MambaComponent):
         # A request that already holds a slot (chunked prefill, checkpoint re-match) keeps its live state.
         if not params.cow_mamba or req is None or req.kv.holds_mamba:
             return result
-        config, m = self.runtime.config, result.device_prefix_len
-        # With no state on the path, the root's zero state is the anchor: replaying [0, m) from a cleared slot is
-        # exact too, and within the budget it is the cheapest exact start there is.
-        end = self.tree_core.node_by_id(result.best_match_node)
+        # Under HiCache the match runs on through nodes whose KV (and hiddens) are on the host: the scheduler loads
+        # them back before the extend (all or none; `TailReplayRadixCache.init_load_back` re-plans on none).
+        m = result.device_prefix_len + result.host_hit_length
+        fold = self.plan_hit(req, self.tree_core.node_by_id(result.best_match_node), m)
+        return result if fold is None else self._match_up_to(result, *fold)
+
+    def plan_hit(self, req, end, m: int, may_fold: bool = True):
+        """Decide how the request's state at m is rebuilt, stage the anchor it starts from and record the `Match`.
+        Returns (anchor, depth) where the match is to stop at the anchor instead (the fold), else None.
+
+        With no state on the path, the root's zero state is the anchor: replaying [0, m) from a cleared slot is
+        exact too, and within the budget it is the cheapest exact start there is."""
+        config = self.runtime.config
         anchor, c = self.deepest_anchor(end, m)
         clean = not is_tainted(end)  # else the KV and hiddens the hit reuses are approximate, whatever its state
+        fold = None
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
                 self._stage_anchor_state(req, anchor)
-            if m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass: stop the match there
-                result, m = self._match_up_to(result, anchor, c), c
+            if may_fold and m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass
+                fold, m = (anchor, c), c
                 clean = not is_tainted(anchor)  # it now reuses the KV above the anchor only (None: the root)
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
         state = state_of(req)
         state.match, state.exact = match, match.exact  # later checkpoints of the request read `exact`
-        return result
+        return fold
+
+    def replan_after_load(self, req, node_id, m: int) -> None:
+        """The load-back brought fewer host tokens than the match planned for (none: SGLang loads all or none, and
+        skips loads under its threshold): plan again for the m tokens now on the device, in the slot the request
+        already has. No fold: the scheduler has fixed the prefix."""
+        state = peek(req)
+        if state is None or state.match is None or state.match.matched == m:
+            return
+        self.runtime.staged_anchors.drop(self.cache, self.runtime.host_anchors, req)
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = req.kv.mamba_pool_idx is not None
+        self.plan_hit(req, self.tree_core.node_by_id(node_id), m, may_fold=False)
 
     def _match_up_to(self, result, anchor, depth: int):
         """The match cut back to the anchor's node (the root for depth 0): the extend computes the rest, as it does
-        after a stock hit on that state, and no replay runs."""
+        after a stock hit on that state, and no replay runs. An anchor on a host node keeps the load-back above it."""
+        if anchor is not None and depth > result.device_prefix_len:
+            return result._replace(host_hit_length=depth - result.device_prefix_len, last_host_node=anchor.id,
+                                   best_match_node=anchor.id)
         node_id = (anchor or self.tree_core.root_node).id
-        return result._replace(device_prefix_len=depth, last_device_node=node_id, last_host_node=node_id,
-                               best_match_node=node_id)
+        return result._replace(device_prefix_len=depth, host_hit_length=0, last_device_node=node_id,
+                               last_host_node=node_id, best_match_node=node_id)
 
     def _stage_anchor_state(self, req, anchor) -> None:
         """The request's own slot, which the forward fills with the anchor's state (`anchor_copy`): the anchor is
         held first, since allocating the slot may evict; a device anchor becomes the slot's copy-on-write source."""
         staged, host = self.runtime.staged_anchors, self.runtime.host_anchors
         src = anchor.component_data[self.component_type].value
-        if src is None:
+        if src is not None:
+            staged.hold_device(self.cache, req, anchor)
+        elif host is not None and anchor in host:
             staged.hold_host(host, req, anchor)
             self.runtime.count_host_anchor_hit()
-        else:
-            staged.hold_device(self.cache, req, anchor)
-        req.kv.mamba_pool_idx = self._alloc_mamba_slot()[0]
+        else:  # in HiCache's host mamba pool
+            staged.hold_hicache(self.cache, req, anchor)
+            self.runtime.count_hicache_anchor_hit()
+        if req.kv.mamba_pool_idx is None:
+            req.kv.mamba_pool_idx = self._alloc_mamba_slot()[0]
         req.kv.mamba_cow_src_index = src
         req.kv.mamba_needs_clear = False
 
@@ -175,6 +212,30 @@ class TailReplayMambaComponent(MambaComponent):
         taken = inserted and insert_state_at_depth(self.cache, req, depth, value)
         return _InsertOutcome(mamba_exist=not taken)
 
+    # ---- HiCache (`cache/hierarchy.py`) ----
+
+    def build_hicache_transfers(self, node, phase, **kwargs):
+        """A node's anchor state goes to HiCache's host mamba pool with its KV, as stock's does (an anchor added
+        to a node already backed up follows through SGLang's incremental backup). Nothing else moves: a hit copies
+        its anchor from the host itself (`anchor_copy`), whether or not it is its match end, so no load-back brings
+        a state back, and no state goes to storage, whose hits start from the root or a state held here."""
+        if phase == CacheTransferPhase.BACKUP_HOST:
+            return super().build_hicache_transfers(node, phase, **kwargs)
+        return None
+
+    def prepare_load_back(self, node_id, *, req=None):
+        return PrepareLoadBackResult()  # the hit's slot was taken at the match
+
+    def prepare_prefetch(self, node_id, *, prefetch_tokens: int = 0):
+        # Stock stages one state per storage fetch and cuts the fetch back to the pages it has a state for; here
+        # any token boundary of the fetched KV is a match end.
+        return PreparePrefetchResult()
+
+    def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions):
+        super().recover_after_unevict(node, prefix_len, total_prefix_len, params, result, cache_actions)
+        if getattr(params, TAINT_ATTR, False):
+            setattr(node, TAINT_ATTR, True)  # the node's KV on the device is now the approximate inserter's
+
     def discard_deleted_session_leaf(self, node) -> None:
         """Called for every node the tree deletes: its host state goes with it."""
         super().discard_deleted_session_leaf(node)
@@ -182,9 +243,32 @@ class TailReplayMambaComponent(MambaComponent):
             self.runtime.host_anchors.discard(node)
 
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
-        if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None:
+        data = node.component_data[self.component_type]
+        if EvictLayer.DEVICE in target and data.value is not None:
             self.runtime.count_evicted_anchor()
+            if data.host_value is None and self.cache.cache_controller is not None:
+                self._backup_state_to_hicache(node)
         return super().evict_component(node, device_frees, host_frees, cache_actions, target)
+
+    def _backup_state_to_hicache(self, node) -> None:
+        """Under HiCache an anchor leaving the device goes to the host mamba pool, as a node's state does when its
+        KV is backed up, if it has no host copy yet: an anchor added to a node whose write-through was still in
+        flight (interval anchors, inserted right after their request's KV) gets none from SGLang. Copied now, on
+        the forwards' stream; the stock eviction below then puts the node on the host LRU. With the host pool full
+        the state goes (its KV still hits, from a shallower anchor)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        group, data = self.cache.host_pool_group, node.component_data[self.component_type]
+        host_value = group.alloc(1, pool=PoolName.MAMBA)
+        if host_value is None:
+            return
+        entry, controller = group.get_entry(PoolName.MAMBA), self.cache.cache_controller
+        host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
+        with on_forward_stream(self.runtime.forward_stream):
+            entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices,
+                                                         controller.io_backend)
+        data.host_value = host_value.clone()
+        self.runtime.count_hicache_anchor_backup()
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         """One step of the mamba LRU walk: tombstone the next unlocked anchor (`_next_victim`), leaf or not.
@@ -250,11 +334,13 @@ def on_forward_stream(stream):
 
 def create_tail_replay_cache(runtime, ctx):
     """The backend factory SGLang's `create_tree_cache` calls (`hooks.py` binds `runtime`): its own unified radix
-    cache with our MAMBA component."""
+    cache (with HiCache's hooks, `hierarchy.py`) and our MAMBA component."""
+    from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
+
     if not ctx.is_hybrid_ssm:
         raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers. "
                          f"Supported: {SUPPORTED}")
     component = functools.partial(TailReplayMambaComponent, runtime=runtime)
     ctx.params.component_registry_override = {
         **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: component}
-    return create_unified_radix_cache(ctx)
+    return create_unified_radix_cache(ctx, cache_class=functools.partial(TailReplayRadixCache, runtime=runtime))

@@ -19,6 +19,26 @@ class Match:
     matched: int  # m: tokens of KV reused
     anchor: int | None  # c: the replay starts from the state kept at this depth (0: the root); None: zero-init tail
     exact: bool = False  # the rebuilt state is exact: an anchor, or a zero-init tail covering the whole match
+    reset: bool = False  # the slot holds a state staged for another prefix: zero it before the replay (`retarget`)
+
+
+def retarget(match: Match, prefix: int, clean: bool, config) -> Match:
+    """The hit as the replay must serve it when the request's final prefix is not the m its match planned for.
+
+    The scheduler can settle on another prefix after the match: a load-back that brings none of the host tokens
+    planned for (re-planned before the batch forms, `TailReplayMambaComponent.replan_after_load`, where it can be),
+    or a request matched again while it already held its slot, whose match keeps the first plan. The slot then holds
+    the planned anchor's state (copied by the forward) or a cleared one, and this keeps the rebuilt state right for
+    `prefix`: from the same anchor if it lies within the prefix (exact, whatever the budget), else from a zeroed
+    slot, by the rule a match applies (`plan_hit`). `clean`: the prefix's KV is untainted."""
+    if match.matched == prefix:
+        return match
+    if match.anchor is not None and match.anchor <= prefix:
+        return Match(prefix, match.anchor, exact=clean)
+    reset = match.anchor is not None  # the slot holds a state from past the prefix
+    if config.anchored and prefix <= config.budget(prefix):
+        return Match(prefix, 0, exact=clean, reset=reset)
+    return Match(prefix, None, exact=clean and config.is_exact_fallback(prefix), reset=reset)
 
 
 @dataclass
@@ -51,6 +71,15 @@ def state_of(req) -> TailReplayReq:
 def peek(req) -> TailReplayReq | None:
     """The request's state, or None for a request Tail-Replay never saw (no match passed our cache)."""
     return getattr(req, REQ_ATTR, None)
+
+
+def is_tainted(node) -> bool:
+    """Whether any node on the path from the root to `node` holds KV an approximate request computed."""
+    while node is not None:
+        if getattr(node, TAINT_ATTR, False):
+            return True
+        node = node.parent
+    return False
 
 
 def is_exact(req) -> bool:

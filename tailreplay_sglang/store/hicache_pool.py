@@ -1,5 +1,5 @@
 """The hidden store's host pool for SGLang's HiCache: its rows go to host memory and back, and to L3, with the KV
-pages they belong to (issue 42; not wired into the cache yet, `supported.py` still refuses HiCache).
+pages they belong to (registered by `cache/hierarchy.py`).
 
 HiCache moves a node's KV between the device pool and its host pool; a pool registered as a KV-derived sidecar
 (`UnifiedRadixCache.register_sidecar_pool`, `indices_from_pool=KV`) is moved in the same operation, addressed by the
@@ -26,6 +26,10 @@ class HiddenHostPool:
         self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
         self.token_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory)
         self.size_per_token = groups * row * self.hiddens.element_size() + TOKEN_ID_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return self.hiddens.numel() * self.hiddens.element_size() + self.token_ids.numel() * TOKEN_ID_BYTES
 
     @property
     def logical_size(self) -> int:
