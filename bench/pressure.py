@@ -10,8 +10,9 @@ users run it.
 
 Pressure trace. Arms (`--arms`): stock, Tail-Replay with device anchors only (evicted least recently used first:
 `--tail-replay-anchor-keep lru`, and the default `ends`: branch points and path ends kept first), Tail-Replay with
-`--tail-replay-host-anchors`, and stock with SGLang's HiCache host tier (`--hicache-size --hicache-gb` of host
-memory for KV and states, the `direct` io backend the CPU port provides).
+`--tail-replay-host-anchors`, and stock and Tail-Replay with SGLang's HiCache host tier (`--hicache-size
+--hicache-gb` of host memory for KV and states, the `direct` io backend the CPU port provides; Tail-Replay's hidden
+rows go to a host twin of the KV host pool beside it).
 Equal device memory: each server's token pool gets `--budget-mib` over the bytes per token it charges to the device
 (FA KV, plus the stored hiddens for Tail-Replay: `tailreplay_eval.memory.device_bytes_per_token`), and all get the
 same `--mamba-slots` device states (running requests, stock's checkpoints, Tail-Replay's anchors) and 4 running
@@ -56,7 +57,9 @@ ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay"
         "Tail-Replay, device anchors (keep ends)": ("--enable-tail-replay",),
         "Tail-Replay, host anchors": ("--enable-tail-replay", "--tail-replay-host-anchors"),  # + N
         "stock, HiCache host tier": ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                                     "--hicache-size")}  # + GB
+                                     "--hicache-size"),  # + GB
+        "Tail-Replay, HiCache host tier": ("--enable-tail-replay", "--enable-hierarchical-cache",
+                                           "--hicache-io-backend", "direct", "--hicache-size")}  # + GB
 SERVER_FLAGS = ("--enable-cache-report",)
 SYSTEM_TOKENS, DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 1024, 1500, 48, 16, 600
 
@@ -82,6 +85,7 @@ class Arm:
         with self.lock:
             self.records.append({"session": session, "prompt_tokens": len(ids), "matchable": matchable,
                                  "cached": meta["cached_tokens"], "exact": meta.get("tail_replay_exact", True),
+                                 "host_cached": (meta.get("cached_tokens_details") or {}).get("host", 0),
                                  "replayed": meta.get("tail_replay_tokens", 0),
                                  "replay_ms": meta.get("tail_replay_ms", 0.0), "ttft_s": r["ttft_s"],
                                  "latency_s": time.perf_counter() - started})
@@ -170,6 +174,7 @@ def pools(url: str) -> dict:
 def summarize(arm: Arm, wall_s: float, before: dict, after: dict) -> dict:
     recs = arm.records
     hits = [r for r in recs if r["cached"] > 0]
+    host_hits = [r for r in hits if r.get("host_cached", 0) > 0]
     ttft = np.array([r["ttft_s"] for r in recs])
     matchable, cached = sum(r["matchable"] for r in recs), sum(r["cached"] for r in recs)
     delta = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
@@ -178,20 +183,24 @@ def summarize(arm: Arm, wall_s: float, before: dict, after: dict) -> dict:
             "matchable": matchable, "cached": cached, "reuse": cached / matchable if matchable else None,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "requests_per_s": len(recs) / wall_s, "wall_s": wall_s, "evicted_anchors": delta("evicted_anchors"),
-            "host_anchor_hits": delta("host_anchor_hits"), "host_anchor_copy_ms": delta("host_anchor_copy_ms")}
+            "host_anchor_hits": delta("host_anchor_hits"), "host_anchor_copy_ms": delta("host_anchor_copy_ms"),
+            # HiCache arms: hits that loaded KV back from the host tier, and the replay time they took (on a GPU
+            # it runs while the later layers' KV still loads; on this CPU the load is done before the forward)
+            "host_hits": len(host_hits), "host_hit_replay_ms": sum(r["replay_ms"] for r in host_hits),
+            "hicache_anchor_hits": delta("hicache_anchor_hits")}
 
 
 def pressure_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
     for col in ("arm", "requests", "hits", "exact hits", "reuse (cached / matchable)", "TTFT p50 (s)",
-                "TTFT p99 (s)", "req/s", "anchors evicted", "host-anchor hits"):
+                "TTFT p99 (s)", "req/s", "anchors evicted", "host-anchor hits", "host-tier hits (replay ms)"):
         t.add_column(col, justify="left" if col == "arm" else "right")
     for r in rows:
         t.add_row(r["arm"], str(r["requests"]), str(r["hits"]),
                   f"{r['exact_hits']} ({100 * r['exact_share']:.0f} %)",
                   f"{r['cached']:,} / {r['matchable']:,} ({100 * r['reuse']:.1f} %)", f"{r['ttft_p50_s']:.3f}",
                   f"{r['ttft_p99_s']:.3f}", f"{r['requests_per_s']:.2f}", str(r["evicted_anchors"]),
-                  str(r["host_anchor_hits"]))
+                  str(r["host_anchor_hits"]), f"{r.get('host_hits', 0)} ({r.get('host_hit_replay_ms', 0):.0f})")
     return t
 
 

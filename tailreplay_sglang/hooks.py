@@ -79,6 +79,11 @@ RUNTIME = (
          f"{_PKG}.lifecycle:add_store_to_cell_size",
          "where the per-token cost that sizes the KV pool is computed: the device-tier store's bytes make fewer "
          "tokens fit instead of overrunning memory", bound=True),
+    Hook(f"{_SRT}.mem_cache.hybrid_cache.hybrid_pool_assembler.build_kv_host_pool", "around",
+         f"{_PKG}.lifecycle:share_hicache_size_with_hidden_rows",
+         "where HiCache's KV host pool gets its share of --hicache-size: the hidden store's host twin, one row per "
+         "KV host slot (cache/hierarchy.py), takes its part of that share, as SGLang's own sidecar pools do",
+         bound=True),
     Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
          "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
          "layers); before CUDA graphs are captured", bound=True),

@@ -29,6 +29,7 @@ from tailreplay_sglang.cache.request import is_tainted, peek, retarget
 from tailreplay_sglang.families import family_for
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
+from tailreplay_sglang.store.hicache_pool import HiddenHostPool
 from tailreplay_sglang.store.hidden_store import HiddenStore, bytes_per_token
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,22 @@ def add_store_to_cell_size(runtime: TailReplayRuntime, original, configurator, k
     extra = bytes_per_token(layout, _hidden_dtype(runtime, kvc.model_config))
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
     return cell + extra
+
+
+def share_hicache_size_with_hidden_rows(runtime: TailReplayRuntime, original, *args, **kwargs):
+    """`--hicache-size` bounds the host memory of every HiCache pool. The hidden store's host twin has one row per
+    KV host slot, so the KV host pool gets the part of its share that leaves room for those rows: its GB times
+    kv / (kv + hidden) bytes per token, as SGLang divides the KV's share with a sparse indexer's host pool. Under
+    `--hicache-ratio` (no size) the host pool is sized in tokens and the rows come on top."""
+    host_size, kv_pool = kwargs.get("host_size"), kwargs.get("kv_pool")
+    if runtime.store is not None and host_size and kwargs.get("pool_label", "kv") == "kv":
+        sizes = kv_pool.get_kv_size_bytes()
+        kv = (sum(sizes) if isinstance(sizes, tuple) else sizes) / kv_pool.size
+        hidden = HiddenHostPool.bytes_per_slot(runtime.store)
+        kwargs["host_size"] = host_size * kv / (kv + hidden)
+        logger.info("Tail-Replay: HiCache KV host pool gets %.3f of %.3f GB (KV %.0f B/token, hidden rows %d B/token)",
+                    kwargs["host_size"], host_size, kv, hidden)
+    return original(*args, **kwargs)
 
 
 def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):

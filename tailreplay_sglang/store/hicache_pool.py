@@ -25,7 +25,12 @@ class HiddenHostPool:
         groups, row = store.hiddens.shape[0], store.hiddens.shape[-1]
         self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
         self.token_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory)
-        self.size_per_token = groups * row * self.hiddens.element_size() + TOKEN_ID_BYTES
+        self.size_per_token = self.bytes_per_slot(store)
+
+    @staticmethod
+    def bytes_per_slot(store: HiddenStore) -> int:
+        """Host bytes of one slot: every stored group's row and the token id."""
+        return store.hiddens.shape[0] * store.hiddens.shape[-1] * store.hiddens.element_size() + TOKEN_ID_BYTES
 
     @property
     def nbytes(self) -> int:
