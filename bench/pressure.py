@@ -193,14 +193,15 @@ def summarize(arm: Arm, wall_s: float, before: dict, after: dict) -> dict:
 def pressure_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
     for col in ("arm", "requests", "hits", "exact hits", "reuse (cached / matchable)", "TTFT p50 (s)",
-                "TTFT p99 (s)", "req/s", "anchors evicted", "host-anchor hits", "host-tier hits (replay ms)"):
+                "TTFT p99 (s)", "req/s", "anchors evicted", "hits on host anchors", "host-tier hits (replay ms)"):
         t.add_column(col, justify="left" if col == "arm" else "right")
     for r in rows:
         t.add_row(r["arm"], str(r["requests"]), str(r["hits"]),
                   f"{r['exact_hits']} ({100 * r['exact_share']:.0f} %)",
                   f"{r['cached']:,} / {r['matchable']:,} ({100 * r['reuse']:.1f} %)", f"{r['ttft_p50_s']:.3f}",
                   f"{r['ttft_p99_s']:.3f}", f"{r['requests_per_s']:.2f}", str(r["evicted_anchors"]),
-                  str(r["host_anchor_hits"]), f"{r.get('host_hits', 0)} ({r.get('host_hit_replay_ms', 0):.0f})")
+                  str(r["host_anchor_hits"] + r.get("hicache_anchor_hits", 0)),
+                  f"{r.get('host_hits', 0)} ({r.get('host_hit_replay_ms', 0):.0f})")
     return t
 
 

@@ -1163,3 +1163,36 @@ def test_an_anchor_costs_one_slot_of_every_recurrent_layer(sglang_context):
                    + cache.temporal[0].numel() * cache.temporal.element_size() for cache in per_layer)
     assert anchor_bytes(req_pool) == expected > 0
 
+
+
+# ---- HiCache residency (cache/hierarchy.py): a state only on the host tier ----
+
+def test_a_state_only_on_the_host_tier_is_an_anchor_held_until_the_batch_and_a_skipped_request_gives_back_its_slot(
+        sglang_context):
+    """A node whose state HiCache moved to its host mamba pool (`host_value`, no device value) is an anchor: a hit
+    2 tokens past it starts from it, exact, holding the node's host lock for the forward's restore. A request the
+    scheduler matched but did not admit (HiCache's prefetch retry skips one after its match) lets go of the lock
+    and gives its slot back, so its next match plans afresh (`anchor_copy.unstage`)."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
+        end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8]))))
+        cache.insert(InsertParams(key=RadixKey(array("q", prompt[:8])), mamba_value=req_pool.mamba_allocator.alloc(1),
+                                  value=cache.path_device_indices(end.last_device_node), prev_prefix_len=8,
+                                  inserted_len=8))
+        anchor = cache.tree_core.node_by_id(cache.match_prefix(
+            MatchPrefixParams(key=RadixKey(array("q", prompt[:8])))).last_device_node)
+        data = anchor.component_data[ComponentType.MAMBA]
+        req_pool.mamba_allocator.free(data.value)  # as a device eviction after its host backup leaves it
+        data.value, data.host_value = None, torch.tensor([3])
+        free_slots = req_pool.mamba_allocator.available_size()
+        req = new_request(1, prompt + (2,))
+        req.init_next_round_input(cache)
+        assert match_of(req) == Match(10, 8, exact=True)
+        staged = cache.runtime.staged_anchors
+        assert len(staged) == 1 and data.host_lock_ref == 1 and req.kv.holds_mamba
+        staged.release(cache, None, admitted=[])
+        assert len(staged) == 0 and data.host_lock_ref == 0
+        assert not req.kv.holds_mamba and req_pool.mamba_allocator.available_size() == free_slots

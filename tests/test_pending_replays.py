@@ -3,7 +3,10 @@ forward."""
 
 import torch
 
-from tailreplay_sglang.cache.request import Match, PendingReplays
+import pytest
+
+from tailreplay_sglang.cache.request import Match, PendingReplays, retarget
+from tailreplay_sglang.config import TailReplayConfig
 
 
 def test_take_returns_rows_whose_prefix_is_the_match():
@@ -87,3 +90,40 @@ def test_the_replays_moe_routes_every_row_whatever_the_outer_batch_bound(monkeyp
         assert (seen[0] >= 0).all()
     with own_token_counts():  # no forward context (unit use): nothing to unbind
         assert (routed(4) >= 0).all()
+
+
+# ---- a hit whose prefix changed between its match and its extend (`request.retarget`) ----
+
+RETARGET = TailReplayConfig(enabled=True, exact_budget=100, min_tokens=8, max_tokens=8, anchor_interval=0)
+
+
+@pytest.mark.parametrize("planned, prefix, clean, expected", [
+    (Match(300, 250, exact=True), 300, True, Match(300, 250, exact=True)),  # as planned: unchanged
+    # the same anchor within the new prefix, shorter or longer (past the budget too: exact, just longer)
+    (Match(300, 250, exact=True), 260, True, Match(260, 250, exact=True)),
+    (Match(300, 250, exact=True), 400, True, Match(400, 250, exact=True)),
+    (Match(300, 250, exact=True), 400, False, Match(400, 250, exact=False)),  # tainted KV past the plan
+    # the staged anchor lies past the prefix: a zeroed slot, from the root within the budget, else the zero-init tail
+    (Match(300, 250, exact=True), 90, True, Match(90, 0, exact=True, reset=True)),
+    (Match(300, 250, exact=True), 200, True, Match(200, None, exact=False, reset=True)),
+    # a zero-init tail's slot is cleared already: no reset
+    (Match(300, None, exact=False), 200, True, Match(200, None, exact=False)),
+])
+def test_a_replay_is_retargeted_to_the_prefix_the_request_extends_from(planned, prefix, clean, expected):
+    assert retarget(planned, prefix, clean, RETARGET) == expected
+
+
+def test_a_retargeted_replay_whose_slot_holds_another_prefixs_state_zeroes_it_first():
+    """`reset`: the slot holds the state staged for a longer prefix, so the replay from the root must not start from
+    it; the pass zeroes exactly those slots (SGLang's own clear_slots) before it runs."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.replay import plan
+
+    cleared = []
+    pool = SimpleNamespace(req_to_token=torch.arange(40).view(2, 20), get_mamba_indices=lambda rows: rows + 10,
+                           translate_mamba_indices=lambda slots: slots,
+                           mamba_pool=SimpleNamespace(clear_slots=lambda slots: cleared.extend(slots.tolist())))
+    rows = [(0, Match(6, 0, exact=True, reset=True), "reset"), (1, Match(6, 4, exact=True), "kept")]
+    batch = plan(SimpleNamespace(req_to_token_pool=pool), [0, 1], rows, RETARGET)
+    assert cleared == [10] and batch.tail_lens == [6, 2] and batch.reqs == ["reset", "kept"]

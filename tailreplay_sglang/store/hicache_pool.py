@@ -3,11 +3,12 @@ pages they belong to (registered by `cache/hierarchy.py`).
 
 HiCache moves a node's KV between the device pool and its host pool; a pool registered as a KV-derived sidecar
 (`UnifiedRadixCache.register_sidecar_pool`, `indices_from_pool=KV`) is moved in the same operation, addressed by the
-same device and host indices (`../shared/notes/hicache-sidecar.md`). The store is addressed by KV slot, so its host
-twin is addressed by KV host slot: one row per host slot, laid out `[groups, host slots, row]` like the store, with
-the token ids beside it. The methods are the ones SGLang's controller calls on a host pool (`HostKVCache`'s names
-and arguments); `device_pool` is the `HiddenStore`. L3 pages (`get_data_page` / `set_from_flat_data_page`) are the
-bytes of `page_size` consecutive host slots: every group's rows, then the token ids.
+same device and host indices (docs/design.md, "The store in SGLang's memory hierarchy"). The store is addressed by
+KV slot, so its host twin is addressed by KV host slot: one row per host slot, laid out `[groups, host slots, row]`
+like the store, with the token ids beside it. The methods are the ones SGLang's controller calls on a host pool
+(`HostKVCache`'s names and arguments); `device_pool` is the `HiddenStore`. L3 pages (`get_data_page` /
+`set_from_flat_data_page`) are the bytes of `page_size` consecutive host slots: every group's rows, then the token
+ids.
 """
 
 import torch
