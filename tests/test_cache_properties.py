@@ -888,17 +888,25 @@ def run_sglangs_copy_on_write(req_pool, reqs) -> None:
         SimpleNamespace(req_to_token_pool=req_pool, is_draft_worker=False), forward_batch)
 
 
+PATH = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+
+
+def cache_with_path(server_args, prompt, depth: int):
+    """A cache (anchored mode, 8 mamba slots) holding `prompt`'s KV, and the match of its first `depth` tokens."""
+    cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+    cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(len(prompt))))
+    return cache, req_pool, allocator, cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:depth]))))
+
+
 def test_an_anchor_is_copied_by_the_forward_and_held_until_the_batch_takes_it(sglang_context):
     """The anchor's state reaches the hit's slot in the forward, through SGLang's own deferred copy-on-write, not at
     the match (issue 38 F1). From the match until the scheduler has formed the batch the anchor is locked: evicting
     every state then leaves it, and no slot handed out is its slot; afterwards it is evictable again. A hit the
     scheduler did not admit releases it as well."""
     server_args, context = sglang_context
-    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    prompt = PATH
     with use_context(context):
-        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
-        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
-        end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8]))))
+        cache, req_pool, allocator, end = cache_with_path(server_args, prompt, 8)
         temporal = req_pool.mamba_pool.mamba_cache.temporal
 
         def keep_anchor():
@@ -1174,11 +1182,9 @@ def test_a_state_only_on_the_host_tier_is_an_anchor_held_until_the_batch_and_a_s
     scheduler matched but did not admit (HiCache's prefetch retry skips one after its match) lets go of the lock
     and gives its slot back, so its next match plans afresh (`anchor_copy.unstage`)."""
     server_args, context = sglang_context
-    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    prompt = PATH
     with use_context(context):
-        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
-        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
-        end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:8]))))
+        cache, req_pool, allocator, end = cache_with_path(server_args, prompt, 8)
         cache.insert(InsertParams(key=RadixKey(array("q", prompt[:8])), mamba_value=req_pool.mamba_allocator.alloc(1),
                                   value=cache.path_device_indices(end.last_device_node), prev_prefix_len=8,
                                   inserted_len=8))
