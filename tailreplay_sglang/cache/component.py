@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from tailreplay_sglang.cache.anchors import insert_state_at_depth
+from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
 from tailreplay_sglang.cache.request import (
     STATE_DEPTH_ATTR,
     TAINT_ATTR,
@@ -246,7 +247,7 @@ class TailReplayMambaComponent(MambaComponent):
         data = node.component_data[self.component_type]
         if EvictLayer.DEVICE in target and data.value is not None:
             self.runtime.count_evicted_anchor()
-            if data.host_value is None and self.cache.cache_controller is not None:
+            if data.host_value is None and EvictLayer.HOST not in target and self.cache.cache_controller is not None:
                 self._backup_state_to_hicache(node)
         return super().evict_component(node, device_frees, host_frees, cache_actions, target)
 
@@ -335,8 +336,6 @@ def on_forward_stream(stream):
 def create_tail_replay_cache(runtime, ctx):
     """The backend factory SGLang's `create_tree_cache` calls (`hooks.py` binds `runtime`): its own unified radix
     cache (with HiCache's hooks, `hierarchy.py`) and our MAMBA component."""
-    from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
-
     if not ctx.is_hybrid_ssm:
         raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers. "
                          f"Supported: {SUPPORTED}")
