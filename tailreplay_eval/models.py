@@ -152,6 +152,9 @@ class Preset:
     mamba2: Mamba2 | None = None
     # Kimi Linear (model_type kimi_linear): its KDA and MLA layers; num_hidden_layers is the pattern's length.
     kda: Kda | None = None
+    # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
+    # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
+    mtp_layers: int = 0
 
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
@@ -166,6 +169,10 @@ TINY_VISION = Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64,
 PRESETS: dict[str, Preset] = {
     "tiny-qwen35": Preset(
         model_type="qwen3_5_text", **TINY,
+    ),
+    # tiny-qwen35's weights (same seed, same build) plus an MTP head: the NEXTN draft of the speculative tests.
+    "tiny-qwen35-mtp": Preset(
+        model_type="qwen3_5_text", **TINY, mtp_layers=1,
     ),
     "tiny-qwen3next": Preset(
         model_type="qwen3_next", **TINY,
@@ -679,9 +686,33 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config = {key: written[key] for key in ("architectures", "model_type", "dtype", "transformers_version")}
         config_file.write_text(json.dumps(dict(config, **moonshot_config_fields(preset, tokenizer)), indent=2) + "\n")
         _moonshot_dense_mlp_names(staging / "model.safetensors")
+    if preset.mtp_layers:
+        _add_mtp_head(model, staging, record["seed"], record["dtype"])
     marker = dict(record, num_parameters=model.num_parameters())
     # Written last: a directory without it is never mistaken for a finished build.
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _add_mtp_head(model: PreTrainedModel, staging: Path, seed: int, dtype: str) -> None:
+    """Append an MTP head (`mtp.*`) to the checkpoint and declare it in config.json. Drawn after the target's
+    weights from its own seed (the target is the same as the preset without MTP), then distilled from the target
+    (`tailreplay_eval.mtp.distill_head`, ~10 s) so that its drafts are accepted often enough to measure."""
+    from safetensors.torch import load_file, save_file
+
+    from tailreplay_eval.mtp import MtpHead, distill_head
+
+    torch.manual_seed(seed + 1)
+    head = MtpHead(model.config)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    distill_head(model.float(), head, seed=seed)
+    head = head.to(getattr(torch, dtype))
+    weights = staging / "model.safetensors"
+    save_file(dict(load_file(weights), **head.checkpoint_state()), weights, metadata={"format": "pt"})
+    config_file = staging / "config.json"
+    config = json.loads(config_file.read_text())
+    config["mtp_num_hidden_layers"] = 1
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _moonshot_dense_mlp_names(weights: Path) -> None:

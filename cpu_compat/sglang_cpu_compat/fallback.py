@@ -90,9 +90,12 @@ def _fill(module) -> None:
 
     if module.__name__ == "sgl_kernel":
         module.__version__ = "0.0.0+tailreplay.cpu"
+        module.__dict__.update(sgl_kernel_shim.FUNCTIONS)
         sgl_kernel_shim.register_torch_ops()
     elif module.__name__ == "sgl_kernel.mamba":
         module.__dict__.update(sgl_kernel_shim.MAMBA_FUNCTIONS)
+    elif module.__name__ == "sgl_kernel.speculative":
+        module.__dict__.update(sgl_kernel_shim.SPECULATIVE_FUNCTIONS)
 
 
 def serves() -> bool:
@@ -111,7 +114,8 @@ def _cpu_only_torch() -> bool:
 class CpuFallbackFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         # Other sgl_kernel submodules stay missing: SGLang guards those imports with `except ImportError`.
-        if fullname in ("sgl_kernel", "sgl_kernel.mamba") or fullname.partition(".")[0] == "torchvision":
+        served = ("sgl_kernel", "sgl_kernel.mamba", "sgl_kernel.speculative")
+        if fullname in served or fullname.partition(".")[0] == "torchvision":
             if serves():
                 return importlib.machinery.ModuleSpec(fullname, _FallbackLoader(), is_package=True)
         return None

@@ -10,11 +10,13 @@ Any other attribute resolves to a stub that raises when called: SGLang imports m
 level that the CPU path never calls, and a clear error beats an ImportError at start-up.
 """
 
+import ctypes
 from typing import Optional
 
 import torch
 
-from sglang_cpu_compat import fused
+from sglang_cpu_compat import fused, spec_kernels
+from sglang_cpu_compat.ops import spec_verify
 from tailreplay_sglang.ops import conv, gdn
 
 _LIB = "sgl_kernel"
@@ -44,17 +46,16 @@ def causal_conv1d_fn_cpu(mixed_qkv_transposed, conv_weights, bias, activation, c
                                   cache_indices, has_initial_state, activation)
 
 
-# What the GDN target-verify of speculative decoding passes to the conv update (`gdn_backend.py`): each draft step's
-# conv window goes into `intermediate_conv_window`, which the commit after verification copies into the states.
-SPEC_VERIFY_ARGS = ("intermediate_conv_window", "intermediate_state_indices", "retrieve_next_token",
-                    "retrieve_next_sibling", "retrieve_parent_token")
-
-
-def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None, **unused):
-    verify = [name for name in SPEC_VERIFY_ARGS if unused.get(name) is not None]
-    if verify:  # dropping them would leave the windows unwritten and the committed conv states wrong, silently
-        raise NotImplementedError(f"causal_conv1d_update_cpu: speculative decoding's target verify "
-                                  f"({', '.join(verify)}) is not ported to the CPU engine")
+def causal_conv1d_update_cpu(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices=None,
+                             intermediate_conv_window=None, intermediate_state_indices=None,
+                             retrieve_next_token=None, retrieve_next_sibling=None, retrieve_parent_token=None,
+                             **unused):
+    if intermediate_conv_window is not None:  # speculative decoding's target verify (`gdn_backend.py`)
+        return spec_verify.causal_conv1d_verify(
+            mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices, intermediate_conv_window,
+            intermediate_state_indices, retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
+    if retrieve_next_token is not None:  # a draft tree without its windows would commit wrong conv states, silently
+        raise NotImplementedError("causal_conv1d_update_cpu: a draft tree needs intermediate_conv_window")
     return conv.causal_conv1d_update(mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices)
 
 
@@ -71,6 +72,26 @@ def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head
 MAMBA_FUNCTIONS = {f.__name__: f for f in (causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu)}
 
 
+# ---- sgl_kernel (plain Python functions) ----
+
+def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
+                                src_loc: torch.Tensor) -> None:
+    """Row `src_loc[i]` -> row `tgt_loc[i]` in every layer's KV buffer, given as raw addresses and row strides in
+    bytes (`MHATokenToKVPool.move_kv_cache`: speculative decoding moves accepted draft tokens' KV). All sources are
+    read before any target is written, as the Triton kernel's tiles are (safe in place)."""
+    if tgt_loc.numel() == 0:
+        return
+    rows = int(torch.maximum(tgt_loc.max(), src_loc.max())) + 1
+    for address, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        buffer = (ctypes.c_uint8 * (rows * stride)).from_address(address)
+        table = torch.frombuffer(buffer, dtype=torch.uint8).view(rows, stride)
+        table[tgt_loc.long()] = table[src_loc.long()]
+
+
+SPECULATIVE_FUNCTIONS = {"reconstruct_indices_from_tree_mask": spec_kernels.reconstruct_indices_from_tree_mask}
+FUNCTIONS = {copy_all_layer_kv_cache_cpu.__name__: copy_all_layer_kv_cache_cpu, **spec_kernels.FUNCTIONS}
+
+
 # ---- torch.ops.sgl_kernel.* ----
 
 def register_torch_ops() -> None:
@@ -84,13 +105,23 @@ def register_torch_ops() -> None:
         return gdn.gdn_gating(A_log, a, b, dt_bias)
 
     @torch.library.custom_op(f"{_LIB}::fused_sigmoid_gating_delta_rule_update_cpu",
-                             mutates_args=("initial_state_source",))
+                             mutates_args=("initial_state_source", "intermediate_states_buffer"))
     def fused_sigmoid_gating_delta_rule_update_cpu(
         A_log: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         a: torch.Tensor, b: torch.Tensor, initial_state_source: torch.Tensor, initial_state_indices: torch.Tensor,
         cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-        softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+        softplus_beta: float = 1.0, softplus_threshold: float = 20.0, is_kda: bool = False,
+        disable_state_update: bool = False, intermediate_states_buffer: Optional[torch.Tensor] = None,
+        intermediate_state_indices: Optional[torch.Tensor] = None, cache_steps: Optional[int] = None,
+        retrieve_parent_token: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if is_kda:
+            raise NotImplementedError("KDA is served by sglang_cpu_compat.kda, not this op")
+        if intermediate_states_buffer is not None or disable_state_update:  # speculative decoding's target verify
+            return spec_verify.recurrent_gated_delta_rule_verify(
+                A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens,
+                intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token, disable_state_update,
+                use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold)
         return gdn.recurrent_gated_delta_rule_update(
             A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens,
             use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold)

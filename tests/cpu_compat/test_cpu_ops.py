@@ -263,13 +263,27 @@ conv_states, weights = torch.zeros(3, 4, 3), torch.randn(4, 4)
 out = causal_conv1d_update_cpu(torch.randn(2, 4), conv_states, weights, None, "silu",
                                conv_state_indices=torch.tensor([0, 2]), intermediate_conv_window=None)
 assert out.shape == (2, 4) and conv_states[2].abs().sum() > 0 and conv_states[1].abs().sum() == 0
-try:  # speculative decoding's verify would lose its per-step windows: refused, not dropped
-    causal_conv1d_update_cpu(torch.randn(2, 4, 3), conv_states, weights, None, "silu",
-                             conv_state_indices=torch.tensor([0, 2]), intermediate_conv_window=torch.zeros(3, 3, 4, 3))
+# speculative decoding's target verify: per-step windows and states go to the scratch buffers (ops.spec_verify)
+windows = torch.zeros(3, 3, 4, 3)
+causal_conv1d_update_cpu(torch.randn(2, 4, 3), conv_states, weights, None, "silu",
+                         conv_state_indices=torch.tensor([0, 2]), intermediate_conv_window=windows,
+                         intermediate_state_indices=torch.tensor([1, 2]))
+assert windows[1:].abs().sum(dim=(2, 3)).min() > 0 and windows[0].abs().sum() == 0
+try:  # a draft tree without its windows would commit wrong conv states: refused, not dropped
+    causal_conv1d_update_cpu(torch.randn(1, 4, 3), conv_states, weights, None, "silu",
+                             conv_state_indices=torch.tensor([0]), retrieve_next_token=torch.tensor([[1, 2, -1]]))
 except NotImplementedError as e:
     assert "intermediate_conv_window" in str(e)
 else:
-    raise AssertionError("the verify's conv windows were dropped")
+    raise AssertionError("the draft tree's conv windows were dropped")
+steps, before = torch.zeros(2, 2, 2, 8, 8), pool.clone()
+ops.fused_sigmoid_gating_delta_rule_update_cpu(
+    A_log=torch.zeros(2), dt_bias=torch.zeros(2), q=torch.randn(1, 2, 1, 8), k=torch.randn(1, 2, 1, 8),
+    v=torch.randn(1, 2, 2, 8), a=torch.randn(2, 2), b=torch.randn(2, 2), initial_state_source=pool,
+    initial_state_indices=torch.tensor([1]), cu_seqlens=torch.tensor([0, 2]), use_qk_l2norm_in_kernel=True,
+    disable_state_update=True, intermediate_states_buffer=steps, intermediate_state_indices=torch.tensor([1]),
+    cache_steps=2)
+assert torch.equal(pool, before) and steps[1].abs().sum(dim=(1, 2, 3)).min() > 0 and steps[0].abs().sum() == 0
 try:
     sgl_kernel.merge_state_v2()
 except NotImplementedError as e:
