@@ -1,5 +1,6 @@
-"""Stock SGLang speculative decoding on our CPUs (issue 40 item 1): NEXTN (Qwen3.5's MTP head as the draft) and NGRAM
-on a hybrid GDN model, under SGLang's GPU default (extra_buffer with the overlap scheduler) and extra_buffer_lazy.
+"""Speculative decoding on our CPUs (issue 40), stock and with Tail-Replay: NEXTN (Qwen3.5's MTP head as the draft)
+and NGRAM on a hybrid GDN model, under SGLang's GPU default (extra_buffer with the overlap scheduler) and
+extra_buffer_lazy.
 
 The CPU port runs what SGLang calls kernels for there (`sglang_cpu_compat/speculative.py`, `spec_verify.py`,
 `spec_commit.py`, `spec_kernels.py`): the GDN target verify with per-step states, the verify and draft attention on
@@ -15,11 +16,10 @@ import concurrent.futures
 
 import pytest
 
-from helpers import generate, random_ids, start_servers
+from helpers import MODELS_DIR, assert_anchored_hit, assert_exact, generate, no_cache, random_ids, scored, start_servers
 from helpers import Spec as ServerSpec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, load_hf_model
-from helpers import MODELS_DIR
 
 pytestmark = pytest.mark.server
 
@@ -103,3 +103,82 @@ def test_concurrent_requests_equal_without_speculation(servers, prompts, plain_o
         outs = list(pool.map(lambda ids: generate(servers["nextn"], ids, NEW_TOKENS)["output_ids"], prompts))
     for tokens, reference in zip(outs, plain_outputs):
         assert_same_greedy(tokens, reference)
+
+
+# ---- Tail-Replay with NEXTN (issue 40 items 2 and 3) ----------------------------------------------------------------
+
+# The replay path on every hit (no anchors, the whole prefix replayed), and the plugin's defaults (anchored replay).
+REPLAY = ("--enable-tail-replay", "--tail-replay-exact-budget", "0", "--tail-replay-ratio", "1",
+          "--tail-replay-hidden-dtype", "float32", "--dtype", "float32", "--enable-metrics")
+ANCHORED = ("--enable-tail-replay", "--dtype", "float32", "--enable-metrics")
+TR_POOL = {"gpu_scheduling": True, "max_total_tokens": 8192, "context_length": 4096}
+# Anchors only where requests end and replays of at most 64 tokens: a hit farther from an anchor is approximate.
+SHORT_BUDGET = ("--tail-replay-exact-budget", "64", "--tail-replay-anchor-interval", "0")
+CONTEXT_TOKENS, ANSWER_TOKENS = 700, 16
+CUTS = (333, 517, CONTEXT_TOKENS + 1)  # off the 64-token grid; the last one inside the spec-decoded answer
+
+
+@pytest.fixture(scope="module")
+def tr_servers(tmp_path_factory, tiny_qwen35_mtp):
+    yield from start_servers(tmp_path_factory, {
+        "replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NEXTN + MEMORY, kwargs=TR_POOL),
+        "anchored_lazy": ServerSpec(tiny_qwen35_mtp, ANCHORED + NEXTN + LAZY + MEMORY, kwargs=TR_POOL),
+        "short_budget": ServerSpec(tiny_qwen35_mtp, ANCHORED + SHORT_BUDGET + NEXTN + MEMORY, kwargs=TR_POOL),
+    })
+
+
+def _forks(server) -> list[list[int]]:
+    """A context and its spec-decoded answer, then prompts that share a prefix of it cut at CUTS."""
+    context = random_ids(CONTEXT_TOKENS, seed=7)
+    answer = generate(server, context, ANSWER_TOKENS)["output_ids"]
+    return [(context + answer)[:cut] + random_ids(20, seed=cut) for cut in CUTS]
+
+
+@pytest.mark.parametrize("name", ["replay", "anchored_lazy"])
+def test_hits_at_any_boundary_equal_no_cache_with_acceptance_intact(tr_servers, name):
+    """Resends and forks of a context whose answer was decoded speculatively (its hidden rows written by verify
+    passes): each hit is labelled exact, equals the same server's no-cache prefill, and drafts are accepted as
+    without the cache (a wrong replayed state would drive acceptance to 1.0 first)."""
+    server = tr_servers[name]
+    for prompt, cut in zip(_forks(server), CUTS):
+        reference = no_cache(server, prompt, cut, 24)
+        generate(server, prompt[:cut], 1)  # the prefix back in the tree (the flush took it)
+        hit = scored(server, prompt, cut, 24)
+        meta = hit["meta"]
+        assert meta["cached_tokens"] > 0 and meta["tail_replay_exact"] is True, meta
+        if name == "replay":
+            assert meta["tail_replay_tokens"] == meta["cached_tokens"] == cut, meta
+        assert_exact(hit, reference)
+        assert hit["output_ids"] == reference["output_ids"]
+        assert meta["spec_accept_length"] > 1.0
+        assert abs(meta["spec_accept_length"] - reference["meta"]["spec_accept_length"]) <= 0.2, (meta, reference)
+
+
+def test_concurrent_hits_each_equal_no_cache(tr_servers):
+    """Three forks hit at once: their replays and first verifies share batches."""
+    server = tr_servers["replay"]
+    prompts = _forks(server)
+    references = [no_cache(server, prompt, cut, 16) for prompt, cut in zip(prompts, CUTS)]
+    generate(server, prompts[-1][: CUTS[-1]], 1)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        hits = list(pool.map(lambda args: scored(server, args[0], args[1], 16), zip(prompts, CUTS)))
+    for hit, reference in zip(hits, references):
+        assert hit["meta"]["cached_tokens"] > 0 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
+        assert_exact(hit, reference)
+
+
+def test_states_a_speculative_approximate_request_commits_never_make_a_hit_exact(tr_servers):
+    """An approximate hit decodes speculatively past track points: the states its verify commits (track slots under
+    extra_buffer, its finish donation) and the KV it writes derive from the approximate state. A later request
+    matching into that answer must not be labelled exact, and one matching only the exact prefix still is."""
+    server = tr_servers["short_budget"]
+    context = random_ids(CONTEXT_TOKENS, seed=11)
+    generate(server, context, 1)  # anchors at 0 and at the end of the context only
+    fork = context[:400] + random_ids(40, seed=12)
+    first = generate(server, fork, 300)  # 340 tokens past the match: crosses track points while verifying
+    assert first["meta_info"]["tail_replay_exact"] is False and first["meta_info"]["spec_verify_ct"] > 0
+    into_answer = fork + first["output_ids"][:290] + random_ids(8, seed=13)
+    again = scored(server, into_answer, len(into_answer) - 8)
+    assert again["meta"]["cached_tokens"] > 400 and again["meta"]["tail_replay_exact"] is False, again["meta"]
+    clean = scored(server, context + random_ids(8, seed=14), CONTEXT_TOKENS)
+    assert_anchored_hit(clean["meta"], CONTEXT_TOKENS)  # exact: from the context's own state (or folded into it)
