@@ -75,6 +75,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier)
+    runtime.kv_pool = runner.token_to_kv_pool
     runtime.family.install_capture(model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner)
     if runtime.config.host_anchors:
@@ -85,6 +86,14 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
 
     if get_observability().enable_metrics:
         runtime.metrics = visibility.ReplayMetrics()
+    return result
+
+
+def move_hidden_rows(runtime: TailReplayRuntime, result, pool, tgt_loc, src_loc, *args, **kwargs):
+    """After the target's KV pool moved accepted draft tokens' KV (a draft tree: NGRAM, EAGLE topk > 1), their
+    hidden rows follow, so that a later hit replays what was committed. Not for the draft model's own pool."""
+    if runtime.store is not None and pool is runtime.kv_pool and tgt_loc.numel():
+        runtime.store.move(tgt_loc, src_loc)
     return result
 
 

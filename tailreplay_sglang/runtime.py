@@ -42,6 +42,7 @@ class TailReplayRuntime:
     staged_anchors: StagedAnchors = field(default_factory=StagedAnchors)
     interval_anchors: IntervalAnchors | None = None
     store: "HiddenStore | None" = None
+    kv_pool: object = None  # the target model's KV pool, whose slots the store shares (a draft model has its own)
     family: "Family | None" = None
     host_anchors: "HostAnchors | None" = None
     forward_stream: object = None

@@ -23,14 +23,13 @@ SUPPORTED = {
     # HiCache: the hidden store and the anchors travel with the KV (cache/hierarchy.py), tested with the host tier
     # and the `file` storage backend (tests/test_hicache.py); buffer_only stages host copies the store does not follow
     "hicache_host_memory_mode": (("cache",), "--hicache-host-memory-mode", "buffer_only is not wired"),
-    # Speculative decoding: NEXTN (SGLang resolves it to EAGLE) with the checkpoint's own MTP head, as a chain. The
-    # hidden store follows the verify's KV slots (accepted tokens keep theirs); a draft tree (NGRAM, topk > 1) moves
-    # accepted tokens' KV to other slots, which the store does not follow yet. tests/test_speculative.py.
-    "speculative_algorithm": ((None, "NEXTN", "EAGLE"), "--speculative-algorithm",
-                              "NEXTN is supported; NGRAM, EAGLE3, DFLASH, DSPARK and the rest are not"),
+    # Speculative decoding: NEXTN (SGLang resolves it to EAGLE) with the checkpoint's own MTP head, and NGRAM. The
+    # hidden store is written by the verify at the drafts' KV slots and follows a draft tree's moves
+    # (`lifecycle.move_hidden_rows`). EAGLE topk > 1 (multi-step draft trees) has no torch_native draft decode here.
+    "speculative_algorithm": ((None, "NEXTN", "EAGLE", "NGRAM"), "--speculative-algorithm",
+                              "NEXTN and NGRAM are supported and tested; EAGLE3, DFLASH, DSPARK and the rest are not"),
     "speculative_eagle_topk": ((None, 1), "--speculative-eagle-topk",
-                               "a draft tree moves accepted tokens' KV to other slots, which the hidden store does not "
-                               "follow yet"),
+                               "EAGLE draft trees are not tested (SGLang's CPU draft decode is a chain here)"),
     "speculative_draft_model_path": ((None,), "--speculative-draft-model-path",
                                      "a separate draft model is not tested (NEXTN's MTP head in the checkpoint is)"),
     "enable_dp_attention": ((False,), "--enable-dp-attention", "its attention-TP groups are not wired into the replay"),

@@ -67,6 +67,22 @@ def test_last_write_to_a_slot_wins_on_both_tiers():
         assert got[0].eq(7).all() and got[1].eq(1).all(), tier
 
 
+def test_move_carries_rows_reading_before_writing_on_both_tiers():
+    """A draft tree's accepted tokens move to the front of their block (`HiddenStore.move`): rows 5 -> 2 and 2 -> 3
+    swap through, as the KV pool's move does (every source read before any target is written)."""
+    for tier in ("device", "host"):
+        store = HiddenStore(LAYOUT, 8, torch.float32, DEVICE, tier)
+        _fill(store, seed=1)
+        slots = torch.arange(8, device=DEVICE)
+        before = {key: store.read_hidden(key, slots).cpu() for key in (4, 8)}
+        tokens = store.read_tokens(slots).cpu()
+        store.move(torch.tensor([2, 3], device=DEVICE), torch.tensor([5, 2], device=DEVICE))
+        for key, rows in before.items():
+            after = store.read_hidden(key, slots).cpu()
+            assert torch.equal(after[2], rows[5]) and torch.equal(after[3], rows[2]) and torch.equal(after[5], rows[5])
+        assert store.read_tokens(slots).cpu()[[2, 3]].tolist() == tokens[[5, 2]].tolist(), tier
+
+
 class _Event:
     def __init__(self):
         self.landed = False

@@ -124,6 +124,7 @@ def tr_servers(tmp_path_factory, tiny_qwen35_mtp):
         "replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NEXTN + MEMORY, kwargs=TR_POOL),
         "anchored_lazy": ServerSpec(tiny_qwen35_mtp, ANCHORED + NEXTN + LAZY + MEMORY, kwargs=TR_POOL),
         "short_budget": ServerSpec(tiny_qwen35_mtp, ANCHORED + SHORT_BUDGET + NEXTN + MEMORY, kwargs=TR_POOL),
+        "ngram_replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NGRAM + MEMORY, kwargs=TR_POOL),
     })
 
 
@@ -182,3 +183,26 @@ def test_states_a_speculative_approximate_request_commits_never_make_a_hit_exact
     assert again["meta"]["cached_tokens"] > 400 and again["meta"]["tail_replay_exact"] is False, again["meta"]
     clean = scored(server, context + random_ids(8, seed=14), CONTEXT_TOKENS)
     assert_anchored_hit(clean["meta"], CONTEXT_TOKENS)  # exact: from the context's own state (or folded into it)
+
+
+def test_ngram_tree_drafts_move_hidden_rows_with_their_kv(tr_servers):
+    """NGRAM verifies a draft tree and moves the accepted tokens' KV to the front of their block; the hidden rows must
+    follow, or a later hit into that answer replays the rows of rejected drafts. The corpus (shared by all cache
+    namespaces, `extra_key`) is seeded with the answer and, at every step of it, a decoy branch (the model's own
+    next token after a different context ending in the same 17 tokens), so the answer is decoded with accepted
+    drafts that are not the tree's first branch. A hit into it, replayed from those rows, equals a no-cache run."""
+    server = tr_servers["ngram_replay"]
+    context = random_ids(300, seed=21)
+    answer = generate(server, context, 48, extra_key="seed")["output_ids"]
+    sequence = context + answer
+    for j in range(len(context), len(sequence)):
+        generate(server, random_ids(8, seed=1000 + j) + sequence[j - 17 : j], 2, extra_key="decoy")
+    decoded = generate(server, context, 48)
+    assert decoded["output_ids"] == answer and decoded["meta_info"]["spec_accept_length"] > 2.0, decoded["meta_info"]
+    cut = len(context) + 30
+    prompt = sequence[:cut] + random_ids(8, seed=22)
+    reference = scored(server, prompt, cut, 16, extra_key="reference")
+    assert reference["meta"]["cached_tokens"] == 0
+    hit = scored(server, prompt, cut, 16)
+    assert hit["meta"]["tail_replay_tokens"] == hit["meta"]["cached_tokens"] == cut, hit["meta"]
+    assert_exact(hit, reference)

@@ -35,7 +35,7 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
 @pytest.mark.parametrize("field, value", [
     ("page_size", 128),
     ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "decode"), ("enable_lora", True),
-    ("lora_paths", ["adapter"]), ("speculative_algorithm", "NGRAM"),
+    ("lora_paths", ["adapter"]),
     ("speculative_algorithm", "EAGLE3"), ("speculative_algorithm", "DFLASH"), ("speculative_eagle_topk", 4),
     ("speculative_draft_model_path", "draft"), ("enable_int8_mamba_checkpoint", True),
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),

@@ -82,6 +82,13 @@ class HiddenStore:
             return
         self.write_back.submit(lambda s, v: target.index_copy_(0, s.long(), v), slots, values)
 
+    def move(self, target_slots: torch.Tensor, source_slots: torch.Tensor) -> None:
+        """Rows `source_slots` -> `target_slots` (every source read before any target is written): speculative
+        decoding with a draft tree moves the accepted tokens' KV to the front of their block
+        (`KVCache.move_kv_cache`), and their hidden rows and token ids follow."""
+        for table in (self.token_ids, *self.hiddens):
+            self._write(table, target_slots, self._read(table, source_slots))
+
     # ---- reads: a hit's tail ----
 
     def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
