@@ -87,7 +87,8 @@ RUNTIME = (
     Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
          "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
          "layers); before CUDA graphs are captured", bound=True),
-    Hook(f"{_SRT}.mem_cache.memory_pool.HybridLinearKVPool.move_kv_cache", "after", f"{_PKG}.lifecycle:move_hidden_rows",
+    Hook(f"{_SRT}.mem_cache.memory_pool.HybridLinearKVPool.move_kv_cache", "after",
+         f"{_PKG}.lifecycle:move_hidden_rows",
          "speculative decoding with a draft tree moves the accepted tokens' KV to other slots: their hidden rows "
          "follow", bound=True),
     Hook(f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_extend", "after",
