@@ -697,22 +697,14 @@ def _add_mtp_head(model: PreTrainedModel, staging: Path, seed: int, dtype: str) 
     """Append an MTP head (`mtp.*`) to the checkpoint and declare it in config.json. Drawn after the target's
     weights from its own seed (the target is the same as the preset without MTP), then distilled from the target
     (`tailreplay_eval.mtp.distill_head`, ~10 s) so that its drafts are accepted often enough to measure."""
-    from safetensors.torch import load_file, save_file
-
-    from tailreplay_eval.mtp import MtpHead, distill_head
+    from tailreplay_eval.mtp import MtpHead, distill_head, write_head
 
     torch.manual_seed(seed + 1)
     head = MtpHead(model.config)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     distill_head(model.float(), head, seed=seed)
-    head = head.to(getattr(torch, dtype))
-    weights = staging / "model.safetensors"
-    save_file(dict(load_file(weights), **head.checkpoint_state()), weights, metadata={"format": "pt"})
-    config_file = staging / "config.json"
-    config = json.loads(config_file.read_text())
-    config["mtp_num_hidden_layers"] = 1
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    write_head(staging, head, getattr(torch, dtype))
 
 
 def _moonshot_dense_mlp_names(weights: Path) -> None:

@@ -14,6 +14,7 @@ one-layer Qwen3.5 text model fed `inputs_embeds`, which is what SGLang builds fo
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -71,11 +72,13 @@ class MtpHead(nn.Module):
 
 
 def distill_head(target: nn.Module, head: MtpHead, steps: int = 600, batches: int = 40, batch_size: int = 16,
-                 length: int = 128, lr: float = 3e-3, seed: int = 0) -> float:
-    """Train `head` to predict what `target` itself predicts one token further (self-distillation, teacher-forced on
-    random token sequences): row i learns the target's greedy token after t_0..t_{i+1}. About 10 s for the tiny
-    models; without it a random head's drafts are almost never accepted and acceptance would measure nothing.
-    Returns the head's accuracy on a held-out batch."""
+                 length: int = 128, lr: float = 3e-3, seed: int = 0, corpus: torch.Tensor | None = None) -> float:
+    """Train `head` to predict what `target` itself predicts one token further (self-distillation, teacher-forced):
+    row i learns the target's greedy token after t_0..t_{i+1}. The sequences are random tokens (what a random
+    model's behaviour is defined on), or windows of `corpus` (token ids of the text a trained model was trained on:
+    on random tokens its predictions carry nothing to learn, 2 % accuracy measured). About 10 s for the tiny models;
+    without it a random head's drafts are almost never accepted and acceptance would measure nothing. Returns the
+    head's accuracy on a held-out batch."""
     from tailreplay_eval.reference import force_torch_gdn
 
     force_torch_gdn()
@@ -85,7 +88,11 @@ def distill_head(target: nn.Module, head: MtpHead, steps: int = 600, batches: in
 
     @torch.no_grad()
     def sample(n: int):
-        ids = torch.randint(0, vocab, (n, length), generator=generator)
+        if corpus is None:
+            ids = torch.randint(0, vocab, (n, length), generator=generator)
+        else:
+            starts = torch.randint(0, corpus.numel() - length, (n,), generator=generator)
+            ids = torch.stack([corpus[s : s + length] for s in starts.tolist()])
         hidden = text_model(input_ids=ids).last_hidden_state
         return text_model.embed_tokens(ids)[:, 1:], hidden[:, :-1], target.lm_head(hidden).argmax(-1)[:, 1:]
 
@@ -111,3 +118,47 @@ def draft_predictions(target: nn.Module, head: MtpHead, input_ids: torch.Tensor)
     embeds = text_model.embed_tokens(input_ids)
     drafted = head(embeds[:, 1:], hidden[:, :-1])
     return target.lm_head(drafted).argmax(-1)
+
+
+def write_head(checkpoint: Path, head: MtpHead, dtype: torch.dtype) -> None:
+    """Append `head` to the checkpoint's single safetensors file and declare it in config.json, as Qwen ships it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = checkpoint / "model.safetensors"
+    state = {name: t.to(dtype) for name, t in head.checkpoint_state().items()}
+    save_file(dict(load_file(weights), **state), weights, metadata={"format": "pt"})
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1), indent=2) + "\n")
+
+
+def with_mtp_head(source: Path, out_dir: Path, corpus_texts: list[str] | None = None, seed: int = 0) -> Path:
+    """A copy of checkpoint `source` carrying a distilled MTP head (`mtp.*`, `mtp_num_hidden_layers: 1`), built once
+    into `out_dir` (a marker records what it was built from). `corpus_texts`: the text the model was trained on,
+    which the head is distilled on (else random tokens)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tailreplay_eval.reference import load_hf_model
+
+    marker = out_dir / "tailreplay_mtp.json"
+    record = {"source": str(source), "seed": seed, "corpus": corpus_texts is not None}
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == record["source"]:
+        return out_dir
+    target = load_hf_model(source)
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    corpus = None
+    if corpus_texts is not None:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        corpus = torch.tensor(tokenizer("\n".join(corpus_texts), add_special_tokens=False).input_ids)
+    torch.manual_seed(seed + 1)
+    head = MtpHead(target.config)
+    record["heldout_accuracy"] = distill_head(target, head, seed=seed, corpus=corpus)
+    shutil.copytree(source, out_dir, dirs_exist_ok=True)
+    write_head(out_dir, head, target.dtype)
+    marker.write_text(json.dumps(record, indent=2) + "\n")
+    return out_dir

@@ -91,7 +91,7 @@ class ServerProcess:
     extra_args: tuple[str, ...] = ()
     port: int = field(default_factory=free_port)
     log_path: Path | None = None
-    max_total_tokens: int = 4096
+    max_total_tokens: int | None = 4096
     context_length: int | None = None
     max_running_requests: int = 8
     env: dict[str, str] = field(default_factory=dict)
@@ -107,8 +107,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
                "--host", "127.0.0.1", "--port", str(self.port),
                *(GPU_FLAGS if self.on_gpu else BASE_FLAGS if self.gpu_scheduling else CPU_FLAGS),
-               "--max-total-tokens", str(self.max_total_tokens),
                "--max-running-requests", str(self.max_running_requests)]
+        if self.max_total_tokens is not None:  # None: SGLang sizes the pool from --mem-fraction-static
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.context_length:
             cmd += ["--context-length", str(self.context_length)]
         return cmd + list(self.extra_args)
