@@ -27,10 +27,15 @@ NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--
          "--speculative-num-draft-tokens", "4")  # SGLang's recipe for Qwen3.5 / Qwen3-Next: 3 / 1 / 4
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")
 LAZY = ("--mamba-radix-cache-strategy", "extra_buffer_lazy")
-# Draft weights and the verify states count against the memory budget: 0.1 (BASE_FLAGS) is short of what SGLang
-# asks with four servers starting at once (its minimum: 0.118, measured).
-MEMORY = ("--mem-fraction-static", "0.15")
+# SGLang's start-up check counts what every other process took from memory meanwhile (1 - available / before) against
+# this fraction: with four servers starting beside four running ones it asked for 0.218 (measured). The pools are
+# sized by --max-total-tokens and --max-mamba-cache-size, so a larger fraction allocates nothing more.
+MEMORY = ("--mem-fraction-static", "0.5")
 GPU_DEFAULT = {"gpu_scheduling": True}  # no strategy flag: extra_buffer with the overlap scheduler, as on a GPU
+# SGLang #36537: NEXTN + extra_buffer + eviction drops acceptance to zero and loops on token 0. Twelve mamba slots
+# (each running request holds 3 under extra_buffer) for the "nextn" and "replay" servers: states are evicted all the
+# time (test_eviction_keeps_answers_and_acceptance).
+SMALL_MAMBA_POOL = ("--max-mamba-cache-size", "12")
 PROMPT_LENGTHS = (5, 40, 300)
 NEW_TOKENS = 48
 # A verify scores 4 tokens in one pass where plain decoding scores one: float32 sums in another order. Greedy paths
@@ -47,7 +52,7 @@ def tiny_qwen35_mtp():
 def servers(tmp_path_factory, tiny_qwen35_mtp):
     yield from start_servers(tmp_path_factory, {
         "plain": ServerSpec(tiny_qwen35_mtp, (), kwargs=GPU_DEFAULT),
-        "nextn": ServerSpec(tiny_qwen35_mtp, NEXTN + MEMORY, kwargs=GPU_DEFAULT),
+        "nextn": ServerSpec(tiny_qwen35_mtp, NEXTN + MEMORY + SMALL_MAMBA_POOL, kwargs=GPU_DEFAULT),
         "nextn_lazy": ServerSpec(tiny_qwen35_mtp, NEXTN + LAZY + MEMORY, kwargs=GPU_DEFAULT),
         "ngram": ServerSpec(tiny_qwen35_mtp, NGRAM + MEMORY, kwargs=GPU_DEFAULT),
     })
@@ -121,7 +126,7 @@ CUTS = (333, 517, CONTEXT_TOKENS + 1)  # off the 64-token grid; the last one ins
 @pytest.fixture(scope="module")
 def tr_servers(tmp_path_factory, tiny_qwen35_mtp):
     yield from start_servers(tmp_path_factory, {
-        "replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NEXTN + MEMORY, kwargs=TR_POOL),
+        "replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NEXTN + MEMORY + SMALL_MAMBA_POOL, kwargs=TR_POOL),
         "anchored_lazy": ServerSpec(tiny_qwen35_mtp, ANCHORED + NEXTN + LAZY + MEMORY, kwargs=TR_POOL),
         "short_budget": ServerSpec(tiny_qwen35_mtp, ANCHORED + SHORT_BUDGET + NEXTN + MEMORY, kwargs=TR_POOL),
         "ngram_replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NGRAM + MEMORY, kwargs=TR_POOL),
@@ -205,4 +210,29 @@ def test_ngram_tree_drafts_move_hidden_rows_with_their_kv(tr_servers):
     assert reference["meta"]["cached_tokens"] == 0
     hit = scored(server, prompt, cut, 16)
     assert hit["meta"]["tail_replay_tokens"] == hit["meta"]["cached_tokens"] == cut, hit["meta"]
+    assert_exact(hit, reference)
+
+
+def test_eviction_keeps_answers_and_acceptance(servers, tr_servers, prompts, plain_outputs):
+    """SGLang #36537's scenario: NEXTN under extra_buffer with a mamba pool so small that every request's states
+    evict earlier ones (12 slots, 16 contexts of 300 tokens, three at a time). Reported on GPUs: acceptance falls
+    to zero and answers loop on token 0. Here, stock and Tail-Replay: answers equal the plain server's, acceptance
+    stays as before the pressure, and Tail-Replay's hits after it are exact."""
+    contexts = [random_ids(300, seed=500 + i) for i in range(16)]
+    for name, server in (("stock", servers["nextn"]), ("tail_replay", tr_servers["replay"])):
+        before = generate(server, prompts[2], 200)["meta_info"]["spec_accept_length"]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda ids: generate(server, ids, 24), contexts))
+        for ids, reference in zip(prompts, plain_outputs):
+            out = generate(server, ids, NEW_TOKENS)
+            assert_same_greedy(out["output_ids"], reference)
+            assert out["output_ids"].count(0) < NEW_TOKENS // 2, (name, out["output_ids"])
+        after = generate(server, prompts[2], 200)["meta_info"]["spec_accept_length"]
+        assert after > 1.3 and abs(after - before) <= 0.2, (name, before, after)
+    server = tr_servers["replay"]
+    prompt = contexts[3][:211] + random_ids(8, seed=599)
+    reference = no_cache(server, prompt, 211, 16)
+    generate(server, contexts[3], 1)
+    hit = scored(server, prompt, 211, 16)
+    assert hit["meta"]["tail_replay_tokens"] == 211 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
     assert_exact(hit, reference)
