@@ -193,6 +193,7 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
     it can be checked, failing closed, that they all took effect and that SGLang's resolved configuration is one
     Tail-Replay supports (`supported.py`)."""
     supported.check_resolved(ctx.server_args)
+    supported.check_speculative_family(runtime.family, ctx.server_args)
     from sglang.srt.runtime_context import get_exec
 
     supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config,

@@ -1,12 +1,13 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Five checks, each raising with a message that names what to change:
+Six checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
   and tested for; the command-line checks in `plugin.config_from_args` see only what was typed;
 - `check_anchor_prefill` (scheduler, same point): the linear-attention prefill kernel the model runner resolved is
   one the interval anchors are read from;
+- `check_speculative_family` (scheduler, same point): speculative decoding only on the families it is tested on;
 - `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
@@ -93,6 +94,20 @@ def unsupported(server_args) -> list[str]:
         if value not in allowed:
             problems.append(f"{flag} (is {value!r}; supported: {' or '.join(repr(a) for a in allowed)}): {why}")
     return problems
+
+
+# Recurrent families whose speculative verify is tested with Tail-Replay (tests/test_speculative.py): GDN's.
+SPECULATIVE_FAMILIES = ("gdn",)
+
+
+def check_speculative_family(family, server_args) -> None:
+    """Speculative decoding with Tail-Replay is tested on GDN models only (Qwen3.5, Qwen3-Next: their MTP heads);
+    Nemotron-H's MTP (Mamba2) and KDA verify paths are not, and on a CPU their ops refuse a verify mid-serving."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm and family is not None and family.name not in SPECULATIVE_FAMILIES:
+        raise UnsupportedConfigError(
+            f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN models (Qwen3.5, "
+            f"Qwen3-Next) only; this model's recurrent layers are {family.name}")
 
 
 def check_anchor_prefill(family, backends) -> None:

@@ -6,6 +6,8 @@ import argparse
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
@@ -81,6 +83,36 @@ def test_move_carries_rows_reading_before_writing_on_both_tiers():
             after = store.read_hidden(key, slots).cpu()
             assert torch.equal(after[2], rows[5]) and torch.equal(after[3], rows[2]) and torch.equal(after[5], rows[5])
         assert store.read_tokens(slots).cpu()[[2, 3]].tolist() == tokens[[5, 2]].tolist(), tier
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.sampled_from(["write", "move"]), st.lists(st.integers(1, 11), min_size=1,
+                                                                              max_size=6, unique=True),
+                                st.lists(st.integers(1, 11), min_size=6, max_size=6), st.integers(0, 1000)),
+                      min_size=1, max_size=12))
+def test_writes_and_draft_tree_moves_match_a_reference_on_both_tiers(steps):
+    """Property: any interleaving of forwards' writes and a draft tree's moves leaves every row what a slot -> row
+    dictionary says (a move reads every source before writing any target), on both tiers."""
+    stores = {tier: HiddenStore(LAYOUT, 12, torch.float32, DEVICE, tier) for tier in ("device", "host")}
+    reference = {slot: (0, torch.zeros(LAYOUT.hidden_size)) for slot in range(12)}
+    for kind, slots, sources, seed in steps:
+        if kind == "write":
+            g = torch.Generator().manual_seed(seed)
+            tokens, values = torch.randint(0, 1000, (len(slots),), generator=g), torch.randn(len(slots), 16,
+                                                                                              generator=g)
+            for store in stores.values():
+                store.write_tokens(torch.tensor(slots, device=DEVICE), tokens.to(DEVICE))
+                store.write_hidden(4, torch.tensor(slots, device=DEVICE), values.to(DEVICE))
+            reference.update({s: (int(t), v) for s, t, v in zip(slots, tokens, values)})
+        else:
+            source = sources[: len(slots)]
+            for store in stores.values():
+                store.move(torch.tensor(slots, device=DEVICE), torch.tensor(source, device=DEVICE))
+            reference.update({t: reference[s] for t, s in zip(slots, source)})
+    everything = torch.arange(12, device=DEVICE)
+    for tier, store in stores.items():
+        assert store.read_tokens(everything).cpu().tolist() == [reference[s][0] for s in range(12)], tier
+        assert torch.equal(store.read_hidden(4, everything).cpu(), torch.stack([reference[s][1] for s in range(12)]))
 
 
 class _Event:

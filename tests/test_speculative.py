@@ -129,7 +129,7 @@ def tr_servers(tmp_path_factory, tiny_qwen35_mtp):
         "replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NEXTN + MEMORY + SMALL_MAMBA_POOL, kwargs=TR_POOL),
         "anchored_lazy": ServerSpec(tiny_qwen35_mtp, ANCHORED + NEXTN + LAZY + MEMORY, kwargs=TR_POOL),
         "short_budget": ServerSpec(tiny_qwen35_mtp, ANCHORED + SHORT_BUDGET + NEXTN + MEMORY, kwargs=TR_POOL),
-        "ngram_replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NGRAM + MEMORY, kwargs=TR_POOL),
+        "ngram_replay": ServerSpec(tiny_qwen35_mtp, REPLAY + NGRAM + LAZY + MEMORY, kwargs=TR_POOL),
     })
 
 

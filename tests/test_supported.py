@@ -170,3 +170,23 @@ def test_the_host_tier_needs_every_resolved_graph_phase_off(flags, refused):
     else:
         with pytest.raises(UnsupportedConfigError, match=f"--tail-replay-hidden-tier host .*resolved: {refused}"):
             check_host_tier_graphs("host", graphs, on_cuda=True)
+
+
+# ---- speculative decoding only on the families it is tested on (issue 40) ----
+
+
+@pytest.mark.parametrize("family, algorithm, refused", [
+    ("gdn", "NEXTN", False), ("gdn", "NGRAM", False), ("mamba2", "NEXTN", True), ("kda", "NGRAM", True),
+    ("mamba2", None, False)])
+def test_speculative_decoding_only_on_tested_families(family, algorithm, refused):
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.supported import check_speculative_family
+
+    call = lambda: check_speculative_family(SimpleNamespace(name=family),  # noqa: E731
+                                            SimpleNamespace(speculative_algorithm=algorithm))
+    if refused:
+        with pytest.raises(UnsupportedConfigError, match="--speculative-algorithm"):
+            call()
+    else:
+        call()
