@@ -697,13 +697,9 @@ def _add_mtp_head(model: PreTrainedModel, staging: Path, seed: int, dtype: str) 
     """Append an MTP head (`mtp.*`) to the checkpoint and declare it in config.json. Drawn after the target's
     weights from its own seed (the target is the same as the preset without MTP), then distilled from the target
     (`tailreplay_eval.mtp.distill_head`, ~10 s) so that its drafts are accepted often enough to measure."""
-    from tailreplay_eval.mtp import MtpHead, distill_head, write_head
+    from tailreplay_eval.mtp import distilled_head, write_head
 
-    torch.manual_seed(seed + 1)
-    head = MtpHead(model.config)
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    distill_head(model.float(), head, seed=seed)
+    head, _ = distilled_head(model.float(), seed)
     write_head(staging, head, getattr(torch, dtype))
 
 

@@ -7,8 +7,7 @@ final-norm hidden at token i and the embedding of token i + 1, and predicts toke
 
 transformers has no module for it (its Qwen3.5 ignores `mtp.*` on load), so this is that head in HF's own parts: a
 one-layer Qwen3.5 text model fed `inputs_embeds`, which is what SGLang builds for the draft (`is_nextn=True`,
-`full_attention_interval=1`). It is the reference the served draft is compared with, and what
-`distill_head` trains.
+`full_attention_interval=1`); `distill_head` trains it.
 """
 
 from __future__ import annotations
@@ -59,16 +58,15 @@ class MtpHead(nn.Module):
             state[MTP_PREFIX + name] = tensor.detach().contiguous()
         return state
 
-    @classmethod
-    def from_checkpoint(cls, text_config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> MtpHead:
-        head = cls(text_config)
-        own = {}
-        for name, tensor in tensors.items():
-            if name.startswith(MTP_PREFIX):
-                name = name.removeprefix(MTP_PREFIX)
-                own[name if name.startswith(("fc.", "pre_fc_")) else "model." + name] = tensor
-        head.load_state_dict(own, strict=True)
-        return head
+
+def distilled_head(target: nn.Module, seed: int = 0, corpus: torch.Tensor | None = None) -> tuple[MtpHead, float]:
+    """A fresh head (drawn from seed + 1, after the target's own weights) distilled from `target`, whose weights are
+    frozen for it; and its held-out accuracy."""
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    torch.manual_seed(seed + 1)
+    head = MtpHead(target.config)
+    return head, distill_head(target, head, seed=seed, corpus=corpus)
 
 
 def distill_head(target: nn.Module, head: MtpHead, steps: int = 600, batches: int = 40, batch_size: int = 16,
@@ -110,16 +108,6 @@ def distill_head(target: nn.Module, head: MtpHead, steps: int = 600, batches: in
         return (target.lm_head(head(embeds, hidden)).argmax(-1) == labels).float().mean().item()
 
 
-@torch.no_grad()
-def draft_predictions(target: nn.Module, head: MtpHead, input_ids: torch.Tensor) -> torch.Tensor:
-    """The head's greedy guess for token i + 2 at every i (of a [1, T] sequence): shape [1, T - 1]."""
-    text_model = target.model.language_model if hasattr(target.model, "language_model") else target.model
-    hidden = text_model(input_ids=input_ids).last_hidden_state
-    embeds = text_model.embed_tokens(input_ids)
-    drafted = head(embeds[:, 1:], hidden[:, :-1])
-    return target.lm_head(drafted).argmax(-1)
-
-
 def write_head(checkpoint: Path, head: MtpHead, dtype: torch.dtype) -> None:
     """Append `head` to the checkpoint's single safetensors file and declare it in config.json, as Qwen ships it."""
     import json
@@ -149,15 +137,11 @@ def with_mtp_head(source: Path, out_dir: Path, corpus_texts: list[str] | None = 
     if marker.is_file() and json.loads(marker.read_text()).get("source") == record["source"]:
         return out_dir
     target = load_hf_model(source)
-    for parameter in target.parameters():
-        parameter.requires_grad_(False)
     corpus = None
     if corpus_texts is not None:
         tokenizer = AutoTokenizer.from_pretrained(source)
         corpus = torch.tensor(tokenizer("\n".join(corpus_texts), add_special_tokens=False).input_ids)
-    torch.manual_seed(seed + 1)
-    head = MtpHead(target.config)
-    record["heldout_accuracy"] = distill_head(target, head, seed=seed, corpus=corpus)
+    head, record["heldout_accuracy"] = distilled_head(target, seed, corpus)
     shutil.copytree(source, out_dir, dirs_exist_ok=True)
     write_head(out_dir, head, target.dtype)
     marker.write_text(json.dumps(record, indent=2) + "\n")

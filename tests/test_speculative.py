@@ -28,8 +28,9 @@ NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")
 LAZY = ("--mamba-radix-cache-strategy", "extra_buffer_lazy")
 # SGLang's start-up check counts what every other process took from memory meanwhile (1 - available / before) against
-# this fraction: with four servers starting beside four running ones it asked for 0.218 (measured). The pools are
-# sized by --max-total-tokens and --max-mamba-cache-size, so a larger fraction allocates nothing more.
+# this fraction: with four servers starting beside four running ones it asked for 0.218, and 0.116 of the plain one
+# starting beside three (measured). The pools are sized by --max-total-tokens and --max-mamba-cache-size, so a larger
+# fraction allocates nothing more.
 MEMORY = ("--mem-fraction-static", "0.5")
 GPU_DEFAULT = {"gpu_scheduling": True}  # no strategy flag: extra_buffer with the overlap scheduler, as on a GPU
 # SGLang #36537: NEXTN + extra_buffer + eviction drops acceptance to zero and loops on token 0. Twelve mamba slots
@@ -51,7 +52,7 @@ def tiny_qwen35_mtp():
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_qwen35_mtp):
     yield from start_servers(tmp_path_factory, {
-        "plain": ServerSpec(tiny_qwen35_mtp, (), kwargs=GPU_DEFAULT),
+        "plain": ServerSpec(tiny_qwen35_mtp, MEMORY, kwargs=GPU_DEFAULT),
         "nextn": ServerSpec(tiny_qwen35_mtp, NEXTN + MEMORY + SMALL_MAMBA_POOL, kwargs=GPU_DEFAULT),
         "nextn_lazy": ServerSpec(tiny_qwen35_mtp, NEXTN + LAZY + MEMORY, kwargs=GPU_DEFAULT),
         "ngram": ServerSpec(tiny_qwen35_mtp, NGRAM + MEMORY, kwargs=GPU_DEFAULT),

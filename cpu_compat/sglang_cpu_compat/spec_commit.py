@@ -14,7 +14,8 @@ import torch
 def scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw, src_indices_raw=None) -> None:
     """For every request i with step_indices_raw[i] >= 0: dst[:, dst_indices_raw[i]] = src[:, row_i, step_i], where
     row_i is src_indices_raw[i] (the request's scratch row) or i. dst [layers, slots, ...]; src [layers, rows, T, ...]
-    (the conv windows' may be an overlapping strided view: read through its strides)."""
+    (the conv windows' may be an overlapping strided view: read through its strides). Also the REPLACE of
+    `fused_conv_window_scatter_with_mask` (KDA's fused accept), which has these arguments."""
     if dst is None or src is None or dst.numel() == 0 or step_indices_raw.numel() == 0:
         return
     steps = step_indices_raw.long()
@@ -38,7 +39,3 @@ def scatter_mamba_states_after_mtp_verify(mamba_caches, state_indices_tensor, la
         for conv, window in zip(mamba_caches.conv, mamba_caches.intermediate_conv_window):
             scatter_with_mask(conv, window, dst_indices, steps, src_indices_raw)
 
-
-def conv_window_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw, src_indices_raw=None) -> None:
-    """REPLACE of `fused_conv_window_scatter_with_mask` (KDA's fused accept)."""
-    scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw, src_indices_raw)

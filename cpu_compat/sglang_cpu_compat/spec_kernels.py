@@ -14,24 +14,28 @@ import torch
 FULL_MASK = 0  # TreeMaskMode.FULL_MASK; the other modes lay the mask out per request as [T, T]
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len=None) -> None:
-    """Request b's new tokens (out_cache_loc, packed in batch order) go to its row at start..end."""
+def _packed_spans(req_pool_indices, start_offset, end_offset):
+    """(request row, start, end, packed slice) per request: request b's span start..end of its row, and where its
+    entries sit in a batch-ordered packed array."""
     offset = 0
     for b in range(req_pool_indices.shape[0]):
         start, end = int(start_offset[b]), int(end_offset[b])
-        req_to_token[int(req_pool_indices[b]), start:end] = out_cache_loc[offset : offset + end - start]
+        yield int(req_pool_indices[b]), start, end, slice(offset, offset + end - start)
         offset += end - start
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                 pool_len=None) -> None:
+    """Request b's new tokens (out_cache_loc, packed in batch order) go to its row at start..end."""
+    for row, start, end, packed in _packed_spans(req_pool_indices, start_offset, end_offset):
+        req_to_token[row, start:end] = out_cache_loc[packed]
 
 
 def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
                                  pool_len=None) -> None:
     """The reverse: request b's slots start..end, read from its row and packed into out_cache_loc."""
-    offset = 0
-    for b in range(req_pool_indices.shape[0]):
-        start, end = int(start_offset[b]), int(end_offset[b])
-        out_cache_loc[offset : offset + end - start] = req_to_token[int(req_pool_indices[b]), start:end]
-        offset += end - start
+    for row, start, end, packed in _packed_spans(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[packed] = req_to_token[row, start:end]
 
 
 def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len,

@@ -182,15 +182,22 @@ def recurrent_gated_delta_rule_update(
     Every sequence advances one token per step, so a decode batch is a single batched step.
     Returns o: [1, T, HV, V].
     """
+    qf, kf, g, beta = recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel, softplus_beta,
+                                       softplus_threshold, scale, beta_scale)
+    return recurrent_steps(qf, kf, v, g.unsqueeze(-1), beta, initial_state_source, initial_state_indices, cu_seqlens)
+
+
+def recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm: bool, softplus_beta: float = 1.0,
+                     softplus_threshold: float = 20.0, scale: float | None = None, beta_scale: float = 1.0):
+    """The token-by-token delta rule's inputs in float32: q (l2-normed if asked, scaled) and k expanded to the value
+    heads [T, HV, K], log decays g [T, HV] and beta [T, HV] (also what speculative decoding's verify steps take)."""
     HV, K = v.shape[2], k.shape[-1]
     scale = K**-0.5 if scale is None else scale
     g, beta = gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold, beta_scale)
     qf, kf = q[0].float(), k[0].float()
-    if use_qk_l2norm_in_kernel:
+    if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
-    qf, kf = _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV)
-    return recurrent_steps(qf, kf, v, g[0].unsqueeze(-1), beta[0], initial_state_source, initial_state_indices,
-                           cu_seqlens)
+    return _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV), g[0], beta[0]
 
 
 def recurrent_steps(qf, kf, v, g, beta, pool, indices, cu_seqlens):

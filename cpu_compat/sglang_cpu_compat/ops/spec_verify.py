@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tailreplay_sglang.ops.conv import _activate
-from tailreplay_sglang.ops.gdn import _expand_key_heads, _seq_bounds, gdn_gating, l2norm
+from tailreplay_sglang.ops.gdn import _seq_bounds, recurrent_inputs
 
 
 def draft_parents(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
@@ -68,12 +68,12 @@ def causal_conv1d_verify(x, conv_states, weight, bias, activation, conv_state_in
         history = conv_states[slot].float()  # [dim, width - 1], oldest first
         inputs = x[seq].float()
         seq_parents = parents[seq] if tree else None
+        inter = int(intermediate_state_indices[seq])
         for step in range(steps):
             path = _ancestry(step, seq_parents, width)
             window = torch.stack([inputs[:, i] if i >= 0 else history[:, width - 1 + i] for i in reversed(path)], -1)
             out = (window * w).sum(-1) + (0 if b is None else b)
             y[seq, :, step] = _activate(out, activation).to(x.dtype)
-            inter = int(intermediate_state_indices[seq])
             if intermediate_conv_window is not None and inter >= 0:
                 intermediate_conv_window[inter, step] = window[:, 1:].to(intermediate_conv_window.dtype)
         conv_states[slot] = torch.cat([history, inputs], -1)[:, -(width - 1):].to(conv_states.dtype)
@@ -93,13 +93,9 @@ def recurrent_gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_sta
     and stores its state at intermediate_states_buffer[intermediate_state_indices[n], s]. The slot's state is left
     alone under disable_state_update (the verify default). Returns o: [1, N, HV, V]."""
     HV, K = v.shape[2], k.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    g, beta = gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
-    qf, kf = q[0].float(), k[0].float()
-    if use_qk_l2norm_in_kernel:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf, kf = _expand_key_heads(qf, HV) * scale, _expand_key_heads(kf, HV)
-    vf, g, beta = v[0].float(), g[0], beta[0]
+    qf, kf, g, beta = recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel, softplus_beta,
+                                       softplus_threshold, scale)
+    vf = v[0].float()
     o = torch.zeros(v.shape[1:], dtype=torch.float32)
     for seq, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
         slot = int(initial_state_indices[seq])
