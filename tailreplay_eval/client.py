@@ -40,3 +40,21 @@ def chat_ids(tok, system: str, turns: list[tuple[str, str]]) -> list[int]:
         messages.append({"role": role, "content": content})
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False).input_ids
+
+
+def pd_generate(prefill_url: str, bootstrap_port: int, decode_url: str, body: dict, timeout: float = 300.0,
+                room: int | None = None) -> tuple[dict, dict]:
+    """One request through a PD pair without a router, as SGLang's mini load balancer sends it: the same body,
+    with the prefill server's bootstrap address and a room id, posted to both servers at once. Returns both JSON
+    answers (the prefill server's carries its own meta_info: its cached tokens and Tail-Replay values)."""
+    import concurrent.futures
+
+    room = random.randrange(1, 2**63) if room is None else room
+    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(requests.post, f"{url}/generate", json=body, timeout=timeout)
+                   for url in (prefill_url, decode_url)]
+        prefill, decode = (a.result() for a in answers)
+    for r in (prefill, decode):
+        r.raise_for_status()
+    return prefill.json(), decode.json()

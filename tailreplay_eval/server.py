@@ -223,3 +223,44 @@ class RouterProcess(ServerProcess):
         # /health answers before the workers are registered (a request then gets 503): wait until all are healthy
         r = requests.get(f"{self.base_url}/readiness", timeout=5)
         return r.status_code == 200 and r.json().get("healthy_workers") == len(self.worker_urls)
+
+
+# ---- PD disaggregation (docs/tail-replay.md, "PD disaggregation") ----
+# Mooncake's transfer engine over TCP (the wheel mooncake-transfer-engine-non-cuda, setup_cpu.sh) on loopback: the
+# KV manager and the engine advertise SGLANG_HOST_IP, which would otherwise be the machine's first interface.
+PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1"}
+PD_TRANSFER = ("--disaggregation-transfer-backend", "mooncake_tcp")
+
+
+def pd_prefill_args(bootstrap_port: int) -> tuple[str, ...]:
+    """A PD prefill server's flags: its bootstrap server (where decode servers learn its transfer addresses)."""
+    return ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port), *PD_TRANSFER)
+
+
+def pd_decode_args(radix_cache: bool = False) -> tuple[str, ...]:
+    return ("--disaggregation-mode", "decode", *PD_TRANSFER,
+            *(("--disaggregation-decode-enable-radix-cache",) if radix_cache else ()))
+
+
+@dataclass
+class PDRouterProcess(ServerProcess):
+    """`sglang_router.launch_router --pd-disaggregation` in front of running prefill and decode servers."""
+
+    model_path: str = ""
+    prefills: tuple[tuple[str, int], ...] = ()  # (url, bootstrap port)
+    decodes: tuple[str, ...] = ()
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "round_robin"
+    prometheus_port: int = field(default_factory=free_port)
+
+    def command(self) -> list[str]:
+        prefill = [arg for url, port in self.prefills for arg in ("--prefill", url, str(port))]
+        decode = [arg for url in self.decodes for arg in ("--decode", url)]
+        return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *prefill, *decode,
+                "--prefill-policy", self.prefill_policy, "--decode-policy", self.decode_policy,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra_args]
+
+    def _ready(self) -> bool:
+        r = requests.get(f"{self.base_url}/readiness", timeout=5)
+        return r.status_code == 200 and r.json().get("healthy_workers") == len(self.prefills) + len(self.decodes)

@@ -18,6 +18,8 @@ GDN_CHUNK = 64  # the chunk of fla's delta-rule prefill kernels and ops/gdn: int
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")
 ANCHOR_KEEP = ("lru", "ends")  # which device anchor goes first under pressure (cache/component.py)
+# SGLang's --disaggregation-mode: a colocated server (null), or the prefill or decode server of a PD pair
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 class TailReplayConfigError(ValueError):
@@ -53,6 +55,10 @@ class TailReplayConfig:
     # is neither a branch point nor a path's end, if any (ends: branch points and request ends kept first; measured
     # in docs/results.md, 2e).
     anchor_keep: str = "ends"
+    # The server's role in PD disaggregation (SGLang's --disaggregation-mode, read by the launcher): the prefill
+    # server runs Tail-Replay as a colocated one does; a decode server never replays and runs only the decode side
+    # (`disaggregation.py`).
+    disaggregation_mode: str = "null"
 
     def __post_init__(self):
         self._check_types()
@@ -90,6 +96,9 @@ class TailReplayConfig:
         if self.host_anchors and not self.anchored:
             raise TailReplayConfigError("--tail-replay-host-anchors needs anchored replay: drop "
                                         "--tail-replay-exact-budget 0, or set --tail-replay-host-anchors 0")
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise TailReplayConfigError(f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)} "
+                                        f"with --enable-tail-replay, got {self.disaggregation_mode!r}")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
 
@@ -123,6 +132,11 @@ class TailReplayConfig:
         import torch
 
         return model_dtype if self.hidden_dtype == "auto" else getattr(torch, self.hidden_dtype)
+
+    @property
+    def decode_only(self) -> bool:
+        """A PD decode server: no hidden store, no replay, no anchors; the decode side of `disaggregation.py`."""
+        return self.disaggregation_mode == "decode"
 
     @property
     def anchored(self) -> bool:

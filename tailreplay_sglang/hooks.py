@@ -11,6 +11,7 @@ Tables, by where they are registered:
   `MODEL_LOADER` in those that already loaded SGLang's model loader;
 - `RUNTIME` and `INTERVAL_ANCHORS`: scheduler processes with Tail-Replay enabled; rows marked `bound` get the
   process's `TailReplayRuntime` as their function's first parameter; the second table only with interval anchors;
+  on a PD prefill server `PREFILL` too; a PD decode server registers `DECODE` alone (it never replays);
 - `ELSEWHERE`: changes made outside `HookRegistry`, listed here so that this file is the whole picture: the
   `.pth` import hook the wheel installs into site-packages, and the capture's torch pre-hooks on the model.
 `tests/test_hooks.py` checks that every target exists in the installed SGLang and that no other module registers a
@@ -47,9 +48,9 @@ ALWAYS = (
     Hook(f"{_SRT}.server_args.ServerArgs.from_cli_args", "around", f"{_PKG}.plugin:around_from_cli_args",
          "sees the raw Namespace (our flags are not ServerArgs fields): validates them (exit 2 before the model "
          "loads), hands the config to the spawned schedulers and sets radix_cache_backend before ServerArgs is built"),
-    Hook(f"{_TOKENIZER}._validate_one_request", "before", f"{_PKG}.validation:validate_request_token_ids",
-         "every request path passes here and a ValueError becomes HTTP 400: a bad token id must not kill the "
-         "scheduler (stock 0.5.23 loses the server)"),
+    Hook(f"{_TOKENIZER}._validate_one_request", "before", f"{_PKG}.validation:validate_request",
+         "every request path passes here and a ValueError becomes HTTP 400: a bad token id or PD bootstrap room "
+         "must not kill the scheduler (stock 0.5.23 loses the server)"),
     Hook(f"{_TOKENIZER}._accumulate_request_meta_info", "around", f"{_PKG}.visibility:scalar_meta_info",
          "stock accumulates customized info into lists; our per-request keys become scalars in meta_info"),
     Hook(f"{_SRT}.utils.hf_transformers.common._CONFIG_REGISTRY", "call", f"{_PKG}.models:register_config",
@@ -68,6 +69,20 @@ MODEL_LOADER = (
     Hook(f"{_SRT}.model_loader.utils.get_model_architecture", "before", f"{_PKG}.models:add_model_classes",
          "puts OLMo-Hybrid in ModelRegistry just before SGLang resolves an architecture (importing the registry "
          "imports every model, so only where the model loader is already loaded: the scheduler)"),
+)
+
+_REPORT_ROWS = (
+    Hook(f"{_SRT}.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+         ".get_internal_state", "after", f"{_PKG}.pool_report:add_to_internal_state",
+         "pool readback in /server_info (tail_replay_pools) for tests and the soak run", bound=True),
+    Hook(f"{_CACHE}._evict", "after", f"{_PKG}.pool_report:count_evicted_tokens", "counts evicted tokens",
+         bound=True),
+    Hook(f"{_STREAMER}.has_additional_customized_info", "call", f"{_PKG}.lifecycle:enable_customized_info",
+         "the ClassVar opt-in of SGLang's per-request output fields", bound=True),
+    Hook(f"{_STREAMER}.build_additional_customized_info", "replace", f"{_PKG}.visibility:build_customized_info",
+         "SGLang's extension point for per-request output fields (tail_replay_tokens, _ms, _exact, ...)"),
+    Hook(f"{_STREAMER}.is_request_level_customized_info_key", "replace", f"{_PKG}.visibility:is_request_level_key",
+         "our keys are emitted once per request, not per token"),
 )
 
 RUNTIME = (
@@ -102,18 +117,24 @@ RUNTIME = (
     Hook(f"{_RUNNER}._maybe_execute_deferred_mamba_cow_and_clear", "after", f"{_PKG}.lifecycle:replay_after_clear",
          "SGLang zeroes new slots and copies device anchors into hits' slots here, on the forward stream: host "
          "anchors are copied in and the replay writes after that, before the extend reads the pool", bound=True),
-    Hook(f"{_SRT}.managers.scheduler_components.internal_state.SchedulerInternalStateController"
-         ".get_internal_state", "after", f"{_PKG}.pool_report:add_to_internal_state",
-         "pool readback in /server_info (tail_replay_pools) for tests and the soak run", bound=True),
-    Hook(f"{_CACHE}._evict", "after", f"{_PKG}.pool_report:count_evicted_tokens", "counts evicted tokens",
+) + _REPORT_ROWS
+
+PREFILL = (
+    Hook(f"{_SRT}.disaggregation.utils.MetadataBuffers.set_buf", "after", f"{_PKG}.disaggregation:relay_to_decode",
+         "PD prefill: the request's last chunk is computed (its replay ran before it) and its aux metadata row, "
+         "which the transfer copies to the decode server whole, is filled: our values go into its spare slots",
          bound=True),
-    Hook(f"{_STREAMER}.has_additional_customized_info", "call", f"{_PKG}.lifecycle:enable_customized_info",
-         "the ClassVar opt-in of SGLang's per-request output fields", bound=True),
-    Hook(f"{_STREAMER}.build_additional_customized_info", "replace", f"{_PKG}.visibility:build_customized_info",
-         "SGLang's extension point for per-request output fields (tail_replay_tokens, _ms, _exact, ...)"),
-    Hook(f"{_STREAMER}.is_request_level_customized_info_key", "replace", f"{_PKG}.visibility:is_request_level_key",
-         "our keys are emitted once per request, not per token"),
 )
+
+DECODE = (
+    Hook(f"{_SRT}.mem_cache.registry.register_radix_cache_backend", "call", f"{_PKG}.lifecycle:register_cache_backend",
+         "backend `tail_replay` on a PD decode server: SGLang's own cache without the decode radix cache, else the "
+         "KV-only, taint-aware one (cache/decode_component.py)", bound=True),
+    Hook(f"{_SRT}.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", "after",
+         f"{_PKG}.disaggregation:take_relayed",
+         "PD decode: the transfer is done and the request's aux row (with the prefill server's values) is still "
+         "held: the values become the request's, streamed as a colocated server streams them", bound=True),
+) + _REPORT_ROWS
 
 INTERVAL_ANCHORS = (
     Hook(f"{_SRT}.layers.attention.linear.gdn_backend.causal_conv1d_fn", "around",
@@ -186,8 +207,13 @@ def register_always() -> None:
 
 
 def runtime_tables(runtime) -> tuple[Hook, ...]:
-    """The rows a runtime registers: interval-anchor rows only with interval anchors."""
-    return RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
+    """The rows a runtime registers: a PD decode server's alone; else interval-anchor rows only with interval
+    anchors, and the relay on a PD prefill server."""
+    mode = runtime.config.disaggregation_mode
+    if mode == "decode":
+        return DECODE
+    return (RUNTIME + (INTERVAL_ANCHORS if runtime.interval_anchors is not None else ())
+            + (PREFILL if mode == "prefill" else ()))
 
 
 def register_runtime(runtime) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from tailreplay_sglang import hooks, replay, supported, visibility
 from tailreplay_sglang.cache.component import create_tail_replay_cache
+from tailreplay_sglang.cache.decode_component import create_decode_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
 from tailreplay_sglang.cache.request import is_tainted, peek, retarget
 from tailreplay_sglang.families import family_for
@@ -191,8 +192,16 @@ def register_cache_backend(runtime: TailReplayRuntime) -> None:
 def build_tree_cache(runtime: TailReplayRuntime, ctx):
     """The radix-cache backend, built by each scheduler once every plugin's hooks are applied: the first point where
     it can be checked, failing closed, that they all took effect and that SGLang's resolved configuration is one
-    Tail-Replay supports (`supported.py`)."""
+    Tail-Replay supports (`supported.py`). On a PD decode server: SGLang's own cache without the decode radix cache,
+    else the KV-only, taint-aware one (`cache/decode_component.py`)."""
     supported.check_resolved(ctx.server_args)
+    if runtime.config.decode_only:
+        hooks.verify_applied(runtime)
+        if ctx.server_args.disable_radix_cache:
+            from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+            return default_radix_cache_factory(ctx)
+        return create_decode_cache(runtime, ctx)
     supported.check_speculative_family(runtime.family, ctx.server_args)
     from sglang.srt.runtime_context import get_exec
 

@@ -73,9 +73,17 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
             flag = "--" + next(iter(given)).replace("_", "-")
             raise TailReplayConfigError(f"{flag} requires --enable-tail-replay")
         return TailReplayConfig()
-    cfg = TailReplayConfig(enabled=True, **{d.removeprefix("tail_replay_"): v for d, v in given.items()})
+    mode = getattr(args, "disaggregation_mode", None) or "null"
+    if mode == "decode" and given:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise TailReplayConfigError(f"{flag} has no effect on a PD decode server (--disaggregation-mode decode): it "
+                                    f"never replays, the prefill server does; give it to the prefill server")
+    cfg = TailReplayConfig(enabled=True, disaggregation_mode=mode,
+                           **{d.removeprefix("tail_replay_"): v for d, v in given.items()})
     _check_version()
     _check_combination(args)
+    if cfg.decode_only:  # no store, no anchors: nothing below applies
+        return cfg
     cfg = dataclasses.replace(cfg, hidden_tier=_hidden_tier(cfg, args))
     try:
         layout = HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)
@@ -190,7 +198,7 @@ def hand_off(cfg: TailReplayConfig, args) -> dict:
 
     logger.info("Tail-Replay enabled: %s", cfg)
     fields = {"radix_cache_backend": RADIX_CACHE_BACKEND}
-    if cfg.interval_anchors and getattr(args, "linear_attn_prefill_backend", None) is None:
+    if cfg.interval_anchors and not cfg.decode_only and getattr(args, "linear_attn_prefill_backend", None) is None:
         fields["linear_attn_prefill_backend"] = ANCHOR_PREFILL_BACKEND
         logger.info("Tail-Replay: --linear-attn-prefill-backend %s (interval anchors are read from its per-chunk "
                     "states; SGLang's FlashInfer GDN/KDA prefill on SM90/SM100 returns none)", ANCHOR_PREFILL_BACKEND)

@@ -17,7 +17,8 @@ What it holds, and who fills it:
 - `forward_stream`: the stream the model's forwards run on (CUDA), recorded by every forward, where host-anchor
   saves made while scheduling are ordered;
 - `metrics`: Prometheus counters, only with `--enable-metrics`;
-- `evicted_anchors` / `evicted_tokens` / `hicache_anchor_*`: counters the pool report serves in `/server_info`.
+- `evicted_anchors` / `evicted_tokens` / `hicache_anchor_*` / `decode_reused_tokens`: counters the pool report
+  serves in `/server_info`.
 """
 
 from dataclasses import dataclass, field
@@ -51,11 +52,14 @@ class TailReplayRuntime:
     evicted_tokens: int = 0  # tokens the radix tree has evicted since start-up
     hicache_anchor_backups: int = 0  # anchors copied to HiCache's host mamba pool by the plugin (`component.py`)
     hicache_anchor_hits: int = 0  # hits that started from a state in HiCache's host mamba pool
+    decode_reused_tokens: int = 0  # PD decode server: KV tokens its radix cache matched (not sent by the prefill)
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":
-        """The runtime of a scheduler process; interval anchors unless the budget or the interval is 0."""
-        planner = IntervalAnchors(config.anchor_interval) if config.interval_anchors else None
+        """The runtime of a scheduler process; interval anchors unless the budget or the interval is 0, or the
+        process is a PD decode server's (which never prefills)."""
+        planned = config.interval_anchors and not config.decode_only
+        planner = IntervalAnchors(config.anchor_interval) if planned else None
         return cls(config, interval_anchors=planner)
 
     def count_evicted_anchor(self) -> None:
@@ -74,6 +78,9 @@ class TailReplayRuntime:
     def count_hicache_anchor_hit(self) -> None:
         self.hicache_anchor_hits += 1
         self.count_host_anchor_hit()
+
+    def count_decode_reuse(self, tokens: int) -> None:
+        self.decode_reused_tokens += tokens
 
     def count_evicted_tokens(self, tokens: int) -> None:
         self.evicted_tokens += tokens

@@ -38,7 +38,8 @@ SUPPORTED = {
     "attn_cp_size": ((1,), "--attn-cp-size", "context parallelism splits a sequence's KV and hiddens"),
     "dcp_size": ((1,), "--dcp-size", "decode context parallelism splits a sequence's KV"),
     "pp_size": ((1,), "--pp-size", "a pipeline stage holds only some groups' layers"),
-    "disaggregation_mode": (("null",), "--disaggregation-mode", "PD disaggregation transfers KV without hiddens"),
+    # PD: the prefill server replays as a colocated one; the decode server runs the decode side (disaggregation.py)
+    "disaggregation_mode": (("null", "prefill", "decode"), "--disaggregation-mode", "not a mode SGLang 0.5.23 has"),
     "enable_lora": ((None, False), "--enable-lora", "the replay runs the base weights"),
     "lora_paths": ((None, [], {}), "--lora-paths", "the replay runs the base weights"),
     "enable_int8_mamba_checkpoint": ((False,), "--enable-int8-mamba-checkpoint", "anchors must be exact states"),
@@ -76,6 +77,33 @@ SUPPORTED = {
 }
 
 
+# Mooncake is the transfer engine tested (its TCP transport, `mooncake_tcp`, on the CPU route); `fake` moves no
+# data (decode benchmarks), NIXL, Mori and Ascend are GPU/NPU transports not tested with the relay
+_TRANSFER_BACKEND = (("mooncake", "mooncake_tcp"), "--disaggregation-transfer-backend",
+                     "Tail-Replay's PD relay is tested over Mooncake's transfer engine")
+# What a PD server with Tail-Replay does not support beyond SUPPORTED, by --disaggregation-mode. A decode server
+# resolves --disable-radix-cache itself unless --disaggregation-decode-enable-radix-cache is given: both are fine.
+DISAGGREGATED = {
+    "prefill": {
+        "disaggregation_transfer_backend": _TRANSFER_BACKEND,
+        "enable_hierarchical_cache": ((False,), "--enable-hierarchical-cache",
+                                      "HiCache on a PD prefill server is not tested with Tail-Replay"),
+        "speculative_algorithm": ((None,), "--speculative-algorithm",
+                                  "speculative decoding in PD is not tested with Tail-Replay"),
+    },
+    "decode": {
+        "disaggregation_transfer_backend": _TRANSFER_BACKEND,
+        "disable_radix_cache": ((False, True), "--disaggregation-decode-enable-radix-cache", ""),
+        "enable_hierarchical_cache": ((False,), "--enable-hierarchical-cache",
+                                      "decode-side HiCache is not tested with the decode radix cache's taint"),
+        "disaggregation_decode_enable_offload_kvcache": ((False,), "--disaggregation-decode-enable-offload-kvcache",
+                                                         "offloaded decode KV comes back without its taint"),
+        "speculative_algorithm": ((None,), "--speculative-algorithm",
+                                  "speculative decoding in PD is not tested with Tail-Replay"),
+    },
+}
+
+
 class UnsupportedConfigError(TailReplayConfigError):
     """SGLang runs in a configuration Tail-Replay does not support; the message names the flag."""
 
@@ -89,7 +117,8 @@ def check_version(version: str) -> None:
 def unsupported(server_args) -> list[str]:
     """One message per field of SGLang's resolved configuration that Tail-Replay does not support."""
     problems = []
-    for field, (allowed, flag, why) in SUPPORTED.items():
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    for field, (allowed, flag, why) in {**SUPPORTED, **DISAGGREGATED.get(mode, {})}.items():
         value = getattr(server_args, field, allowed[0])
         if value not in allowed:
             problems.append(f"{flag} (is {value!r}; supported: {' or '.join(repr(a) for a in allowed)}): {why}")

@@ -70,16 +70,18 @@ REFUSED = [
     (["--enable-tail-replay", "--tail-replay-hidden-tier", "host", "--device", "cuda"],
      "--tail-replay-hidden-tier host needs --disable-cuda-graph"),
     (["--enable-tail-replay", "--pp-size", "2"], "--enable-tail-replay supports --pp-size 1 only"),
+    (["--enable-tail-replay", "--disaggregation-mode", "decode", "--tail-replay-anchor-interval", "1024"],
+     "--tail-replay-anchor-interval has no effect on a PD decode server"),
 ]
 REFUSED_IDS = ["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache",
                "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs",
-               "pipeline"]
+               "pipeline", "replay-flag-on-a-decode-server"]
 
 
 def launcher_parser() -> argparse.ArgumentParser:
     """The launcher's flags these cases use, and the plugin's (`add_cli_args`, as SGLang's parser gets them)."""
     parser = argparse.ArgumentParser()
-    for flag in ("--model-path", "--device", "--pp-size"):
+    for flag in ("--model-path", "--device", "--pp-size", "--disaggregation-mode"):
         parser.add_argument(flag, type=int if flag == "--pp-size" else str)
     for flag in ("--disable-radix-cache", "--disable-cuda-graph"):
         parser.add_argument(flag, action="store_true")

@@ -3,8 +3,8 @@ SGLang resolved it (after its own post-processing), and any SGLang release but t
 
 import pytest
 
-from tailreplay_sglang.supported import (SGLANG_VERSION, SUPPORTED, UnsupportedConfigError, check_resolved,
-                                         check_version, unsupported)
+from tailreplay_sglang.supported import (DISAGGREGATED, SGLANG_VERSION, SUPPORTED, UnsupportedConfigError,
+                                         check_resolved, check_version, unsupported)
 
 # What the CPU route runs (tailreplay_eval/server.py: CPU_FLAGS), as SGLang resolves it: the tested configuration
 TESTED = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True, "page_size": 1}
@@ -34,7 +34,7 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
 
 @pytest.mark.parametrize("field, value", [
     ("page_size", 128),
-    ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "decode"), ("enable_lora", True),
+    ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "encode"), ("enable_lora", True),
     ("lora_paths", ["adapter"]),
     ("speculative_algorithm", "EAGLE3"), ("speculative_algorithm", "DFLASH"), ("speculative_eagle_topk", 4),
     ("speculative_draft_model_path", "draft"), ("enable_int8_mamba_checkpoint", True),
@@ -57,7 +57,35 @@ def test_each_unsupported_value_is_refused_naming_its_flag(server_args, field, v
 
 
 def test_every_checked_field_exists_in_sglangs_server_args(server_args):
-    assert [f for f in SUPPORTED if not hasattr(server_args, f)] == []
+    fields = [*SUPPORTED, *(f for checks in DISAGGREGATED.values() for f in checks)]
+    assert [f for f in fields if not hasattr(server_args, f)] == []
+
+
+# ---- PD disaggregation (issue 50): what each role supports beyond SUPPORTED ----
+
+@pytest.mark.parametrize("mode, changes, refused", [
+    ("prefill", {}, None),
+    ("prefill", {"disaggregation_transfer_backend": "mooncake_tcp"}, None),
+    ("decode", {"disable_radix_cache": True}, None),  # a decode server without its radix cache
+    ("decode", {}, None),  # with --disaggregation-decode-enable-radix-cache
+    ("prefill", {"disaggregation_transfer_backend": "nixl"}, "--disaggregation-transfer-backend"),
+    ("decode", {"disaggregation_transfer_backend": "fake"}, "--disaggregation-transfer-backend"),
+    ("prefill", {"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ("decode", {"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ("prefill", {"speculative_algorithm": "NEXTN"}, "--speculative-algorithm"),
+    ("decode", {"disaggregation_decode_enable_offload_kvcache": True}, "--disaggregation-decode-enable-offload"),
+    ("null", {"disaggregation_transfer_backend": "nixl"}, None),  # colocated: the transfer backend is unused
+])
+def test_pd_roles(server_args, mode, changes, refused):
+    from types import SimpleNamespace
+
+    fields = {f: getattr(server_args, f) for f in [*SUPPORTED, *DISAGGREGATED["decode"], *DISAGGREGATED["prefill"]]}
+    resolved = SimpleNamespace(**{**fields, "disaggregation_mode": mode, **changes})
+    if refused is None:
+        assert unsupported(resolved) == []
+        return
+    with pytest.raises(UnsupportedConfigError, match=refused):
+        check_resolved(resolved)
 
 
 def test_only_the_pinned_sglang_release():

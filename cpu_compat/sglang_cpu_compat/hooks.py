@@ -82,6 +82,10 @@ CPU_ENGINE = (
          "the same for the MLA host pool (Kimi Linear)"),
     Hook(f"{_SRT}.mem_cache.pool_host.mamba.MambaPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",
          "the same for the mamba-state host pool (it does not call the base pool's __init__)"),
+    Hook(f"{_SRT}.disaggregation.mooncake.conn.MooncakeKVSender.__init__", "after",
+         f"{_PKG}.disaggregation:host_page_indices",
+         "PD's prefill stages each chunk's page indices through pinned memory and a torch.cuda.Event for Mooncake's "
+         "sender; on a CPU they are host tensors already (the numpy branch)"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

@@ -1,0 +1,105 @@
+"""PD disaggregation without a server (issue 50): the relay's encoding of a request's Tail-Replay values into the
+aux metadata row, the launcher's config for each role, and the bootstrap-room check. The servers are in
+test_pd.py."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from tailreplay_sglang import disaggregation, visibility
+from tailreplay_sglang.cache.request import TailReplayReq
+from tailreplay_sglang.plugin import add_cli_args, config_from_args, hand_off
+from tailreplay_sglang.validation import InvalidBootstrapRoomError, check_bootstrap_room
+
+
+@pytest.mark.parametrize("state", [
+    TailReplayReq(exact=True),
+    TailReplayReq(exact=True, anchor=512, tokens=88, ms=42.984),
+    TailReplayReq(exact=True, anchor=0, tokens=333, ms=0.125),
+    TailReplayReq(exact=False, anchor=None, tokens=64, ms=3.5, state_survival=0.123457),
+    TailReplayReq(exact=False, anchor=None, tokens=64, ms=3.5, state_survival=1.0),
+], ids=["no-hit", "anchored", "from-the-root", "zero-init", "zero-init-survival-1"])
+def test_relayed_values_are_what_the_prefill_server_reports(state):
+    """Through an int32 row as SGLang's metadata buffers hold it, the values come back as `fields_of` gives
+    them on the prefill server (ms to the microsecond it reports)."""
+    row = torch.zeros(16, dtype=torch.int32)
+    row[disaggregation.FIRST_SLOT:disaggregation.FIRST_SLOT + 6] = torch.tensor(disaggregation.encode(state),
+                                                                              dtype=torch.int32)
+    relayed = disaggregation.decode(row[disaggregation.FIRST_SLOT:].tolist())
+
+    class Req:
+        tail_replay = state
+
+    expected = visibility.fields_of(Req())
+    assert relayed.keys() == expected.keys() == set(visibility.KEYS)
+    assert relayed["tail_replay_ms"] == pytest.approx(expected["tail_replay_ms"], abs=1e-3)
+    assert {k: v for k, v in relayed.items() if k != "tail_replay_ms"} == \
+           {k: v for k, v in expected.items() if k != "tail_replay_ms"}
+
+
+def test_a_row_a_stock_prefill_server_wrote_carries_no_values():
+    assert disaggregation.decode([0] * 9) is None
+    assert disaggregation.decode([disaggregation.MARKER + 1, 0, 1, -1, 0, 0]) is None
+
+
+def test_the_relay_writes_only_sglangs_spare_slots():
+    """Slots 0-6 of `cached_tokens` are SGLang's (cached, device, host, storage, image, audio, video counts)."""
+
+    class Buffers:
+        cached_tokens = torch.arange(32, dtype=torch.int32).reshape(2, 16)
+
+    class Req:
+        metadata_buffer_index = 1
+        tail_replay = TailReplayReq(exact=False, tokens=7, ms=1.5, state_survival=math.exp(-3))
+
+    disaggregation.relay_to_decode(None, None, Buffers, Req)
+    assert Buffers.cached_tokens[1, :7].tolist() == list(range(16, 23))
+    assert Buffers.cached_tokens[0].tolist() == list(range(16))
+    assert disaggregation.decode(Buffers.cached_tokens[1, 7:].tolist())["tail_replay_exact"] is False
+
+
+def _config(tiny_qwen35, *flags):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path")
+    parser.add_argument("--disaggregation-mode", default="null")
+    parser.add_argument("--linear-attn-prefill-backend")
+    add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(tiny_qwen35), "--enable-tail-replay", *flags])
+    return config_from_args(args), args
+
+
+def test_the_launcher_hands_each_role_its_config(tiny_qwen35):
+    prefill, args = _config(tiny_qwen35, "--disaggregation-mode", "prefill")
+    assert prefill.disaggregation_mode == "prefill" and not prefill.decode_only and prefill.interval_anchors
+    assert hand_off(prefill, args)["linear_attn_prefill_backend"] == "triton"
+    decode, args = _config(tiny_qwen35, "--disaggregation-mode", "decode")
+    assert decode.decode_only
+    assert hand_off(decode, args) == {"radix_cache_backend": "tail_replay"}  # nothing for a prefill it never runs
+
+
+def test_a_decode_runtime_registers_the_decode_side_only(tiny_qwen35):
+    from tailreplay_sglang import hooks
+    from tailreplay_sglang.runtime import TailReplayRuntime
+
+    decode, _ = _config(tiny_qwen35, "--disaggregation-mode", "decode")
+    runtime = TailReplayRuntime.for_scheduler(decode)
+    tables = hooks.runtime_tables(runtime)
+    assert runtime.interval_anchors is None and tables == hooks.DECODE
+    replay_side = {"lifecycle:create_store", "lifecycle:add_store_to_cell_size", "lifecycle:mark_pending",
+                   "lifecycle:replay_after_clear"}  # no hidden store, no replay on D
+    assert not {h.fn.rpartition(".")[2] for h in tables} & replay_side
+    prefill, _ = _config(tiny_qwen35, "--disaggregation-mode", "prefill")
+    assert set(hooks.PREFILL) <= set(hooks.runtime_tables(TailReplayRuntime.for_scheduler(prefill)))
+
+
+@pytest.mark.parametrize("room", [None, 0, 2**63 - 1, [0, 5, None]])
+def test_bootstrap_rooms_sglang_draws_pass(room):
+    check_bootstrap_room(room)
+
+
+@pytest.mark.parametrize("room", [-1, 2**63, "7", 1.0, True, [1, -2]])
+def test_other_bootstrap_rooms_are_refused(room):
+    with pytest.raises(InvalidBootstrapRoomError, match="bootstrap_room"):
+        check_bootstrap_room(room)
