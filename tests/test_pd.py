@@ -12,6 +12,7 @@ output log-probs).
 """
 
 import concurrent.futures
+import time
 
 import pytest
 import requests
@@ -56,12 +57,21 @@ def pd(tiny_qwen35, tmp_path_factory):
     bootstrap = {"stock_p": free_port(), "tr_p": free_port()}
     specs = {
         "stock_p": Spec(tiny_qwen35, FLAGS + pd_prefill_args(bootstrap["stock_p"]), PD_ENV),
-        "tr_p": Spec(tiny_qwen35, FLAGS + TR_P + pd_prefill_args(bootstrap["tr_p"]), PD_ENV),
+        "tr_p": Spec(tiny_qwen35, FLAGS + TR_P + pd_prefill_args(bootstrap["tr_p"]), FAULT_ENV),
         "stock_d": Spec(tiny_qwen35, FLAGS + pd_decode_args(), PD_ENV),
-        "tr_d": Spec(tiny_qwen35, FLAGS + ("--enable-tail-replay",) + pd_decode_args(radix_cache=True), PD_ENV),
+        "tr_d": Spec(tiny_qwen35, FLAGS + ("--enable-tail-replay",) + pd_decode_args(radix_cache=True), FAULT_ENV),
     }
     for servers in start_servers(tmp_path_factory, specs):
         yield PD(servers, bootstrap)
+
+
+# Faults end in seconds, not SGLang's five minutes: a bootstrap that never completes (P) or a transfer that never
+# starts (D) fails after FAULT_TIMEOUT_S; D holds a failed transfer's pages FAULT_TIMEOUT_S / 4 for writes still in
+# flight from P (SGLang's deferred release) before it frees them.
+FAULT_TIMEOUT_S = 20
+FAULT_ENV = {**PD_ENV, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(FAULT_TIMEOUT_S),
+             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(FAULT_TIMEOUT_S),
+             "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(FAULT_TIMEOUT_S / 4)}
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +218,88 @@ def test_a_malformed_bootstrap_room_is_refused_and_both_servers_keep_serving(pd,
         assert r.status_code == 400, (name, r.status_code, r.text)
     out = pd.generate("tr_p", "tr_d", random_ids(50, 61), 0)
     assert len(out["output_ids"]) == MAX_NEW
+
+
+# ---- faults: each request fails with a clear error, the survivor's pools are whole and it keeps serving ----
+
+def _decode_pool_leaks(p: dict, idle_rows: int) -> list[str]:
+    """`soak.pool_leaks` for a decode server: no hidden store, no states in its tree, and request rows counted with
+    the extra slots SGLang reserves for transfers in flight (`idle_rows`, read at start)."""
+    checks = {"every KV slot is free or held by the tree": p["kv_free"] + p["tree_evictable"] == p["kv_total"],
+              "no tree node is locked": p["tree_protected"] == 0,
+              "every mamba slot is free": p["mamba_free"] == p["mamba_total"] and p["tree_mamba_slots"] == 0,
+              "every request row is free": p["req_rows_free"] == idle_rows}
+    return [f"{name}: {p}" for name, ok in checks.items() if not ok]
+
+
+def _until_whole(check, url: str, timeout: float = 3 * FAULT_TIMEOUT_S) -> list[str]:
+    """The pool violations `check` finds once they are gone, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leaks = check(wait_idle(url))
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.5)
+
+
+def _post(url: str, body: dict) -> tuple:
+    try:
+        r = requests.post(f"{url}/generate", json=body, timeout=3 * FAULT_TIMEOUT_S)
+        return r.status_code, r.text
+    except requests.RequestException as e:  # the killed server's own connection
+        return None, str(e)
+
+
+def _pd_body(n: int, seed: int, room: int) -> dict:
+    return {"input_ids": random_ids(n, seed), "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_room": room}
+
+
+def test_a_bootstrap_that_never_completes_fails_both_sides_and_loses_nothing(pd):
+    """P's peer never comes (the request reached P only) and D's never sends (it reached D only): each fails after
+    the bootstrap/waiting timeout with SGLang's message, and both serve on, pools whole."""
+    idle_rows = pools(pd["tr_d"].base_url)["req_rows_free"]
+    body = {**_pd_body(80, 70, 424242), "bootstrap_port": pd.bootstrap["tr_p"]}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        alone_on_p = pool.submit(_post, pd["tr_p"].base_url, body)
+        alone_on_d = pool.submit(_post, pd["tr_d"].base_url, {**body, "bootstrap_room": 424243})
+        (p_status, p_text), (d_status, d_text) = alone_on_p.result(), alone_on_d.result()
+    assert p_status == 500 and "Prefill bootstrap failed" in p_text and "timed out" in p_text, p_text
+    assert d_status == 500 and "Decode transfer failed" in d_text and "timed out" in d_text, d_text
+    assert not _until_whole(pool_leaks, pd["tr_p"].base_url)
+    assert not _until_whole(lambda p: _decode_pool_leaks(p, idle_rows), pd["tr_d"].base_url)
+    assert len(pd.generate("tr_p", "tr_d", random_ids(60, 71), 0)["output_ids"]) == MAX_NEW
+
+
+def _kill_during(pd, victim: str, requests_to: dict, delay_s: float = 0.5) -> dict:
+    """Post one PD request to each server of `requests_to` ({name: body}) and SIGKILL `victim` `delay_s` later,
+    while the 3,000-token prefill runs. Returns {name: (status, text)}."""
+    with concurrent.futures.ThreadPoolExecutor(len(requests_to)) as pool:
+        sent = {name: pool.submit(_post, pd[name].base_url, body) for name, body in requests_to.items()}
+        time.sleep(delay_s)
+        pd[victim].stop()
+        return {name: future.result() for name, future in sent.items()}
+
+
+def test_the_prefill_server_killed_mid_request_fails_it_on_the_decode_server(pd):
+    idle_rows = pools(pd["tr_d"].base_url)["req_rows_free"]
+    body = {**_pd_body(3000, 72, 515151), "bootstrap_port": pd.bootstrap["stock_p"]}
+    answers = _kill_during(pd, "stock_p", {"stock_p": body, "tr_d": body})
+    status, text = answers["tr_d"]
+    assert status == 500 and "Decode transfer failed" in text, text
+    assert not _until_whole(lambda p: _decode_pool_leaks(p, idle_rows), pd["tr_d"].base_url)
+    out = pd.generate("tr_p", "tr_d", random_ids(60, 73), 0)  # D serves on, with the other prefill server
+    assert len(out["output_ids"]) == MAX_NEW and out["decode_meta"]["tail_replay_exact"] is True
+
+
+def test_the_decode_server_killed_mid_request_fails_it_on_the_prefill_server(pd):
+    flush_cache(pd["tr_p"].base_url)
+    context = random_ids(3000, 74)
+    pd.generate("tr_p", "tr_d", context[:2000], 0)  # a cached prefix: the killed request is a Tail-Replay hit
+    body = {**_pd_body(0, 0, 616161), "input_ids": context[:2900] + [5], "bootstrap_port": pd.bootstrap["tr_p"]}
+    answers = _kill_during(pd, "stock_d", {"tr_p": body, "stock_d": body}, delay_s=0.3)
+    status, text = answers["tr_p"]
+    assert status == 500 and ("Prefill transfer failed" in text or "Prefill bootstrap failed" in text), text
+    assert not _until_whole(pool_leaks, pd["tr_p"].base_url)
+    hit = pd.generate("tr_p", "tr_d", context[:2150] + [6], 2150)  # P serves on, and its tree is intact
+    assert hit["meta"]["cached_tokens"] >= 2000 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
