@@ -103,3 +103,33 @@ def test_bootstrap_rooms_sglang_draws_pass(room):
 def test_other_bootstrap_rooms_are_refused(room):
     with pytest.raises(InvalidBootstrapRoomError, match="bootstrap_room"):
         check_bootstrap_room(room)
+
+
+def _source(obj) -> str:
+    import inspect
+
+    return inspect.getsource(obj)
+
+
+def test_the_slot_the_prefill_server_sends_is_the_replayed_one_and_complete_before_the_send():
+    """The ordering the PD path rests on, pinned on SGLang 0.5.23's source (GPU by construction; docs/design.md,
+    "PD disaggregation"): (1) the replay runs in the forward, on its stream, before the extend dispatch; (2) the
+    prefill server waits for the forward's `copy_done` event before it sends; (3) what it sends is the request's
+    live slot, `req_index_to_mamba_index_mapping[row]`, the slot the replay writes (`get_mamba_indices(row)`)."""
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    forward = _source(ModelRunner._forward_raw)
+    replay_point = forward.index("self._maybe_execute_deferred_mamba_cow_and_clear(forward_batch)")
+    assert replay_point < forward.index("self.prefill_cuda_graph_runner.can_run_graph")
+    assert replay_point < forward.index("forward_split_prefill(")
+    result = _source(SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill)
+    assert result.index("copy_done.synchronize()") < result.index("self.send_kv_chunk(")
+    send = " ".join(_source(SchedulerDisaggregationPrefillMixin._send_kv_chunk).split())
+    assert "req_index_to_mamba_index_mapping[ req.kv.req_pool_idx ]" in send
+    assert "return self.req_index_to_mamba_index_mapping[req_indices]" in _source(
+        HybridReqToTokenPool.get_mamba_indices)
+    import tailreplay_sglang.replay as replay
+
+    assert "pool.get_mamba_indices(" in _source(replay)
