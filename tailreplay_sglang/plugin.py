@@ -84,6 +84,9 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
     _check_combination(args)
     if cfg.decode_only:  # no store, no anchors: nothing below applies
         return cfg
+    if mode == "prefill" and cfg.host_anchors:
+        raise TailReplayConfigError("--tail-replay-host-anchors is not tested on a PD prefill server "
+                                    "(--disaggregation-mode prefill) yet: drop it there")
     cfg = dataclasses.replace(cfg, hidden_tier=_hidden_tier(cfg, args))
     try:
         layout = HybridLayout.from_model_path(args.model_path).require_hybrid(args.model_path)

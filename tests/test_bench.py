@@ -561,3 +561,14 @@ def test_page_faults_ratio_pairs_the_same_prompt_and_skips_each_servers_first():
     assert page_faults.ratio(samples, "glibc") == 3.0
     faults, user, system = page_faults.counters(os.getpid())
     assert faults > 0 and user > 0 and system >= 0
+
+
+def test_pd_counts_what_crosses_the_wire_and_tabulates_both_arms():
+    pd = load_bench("pd")
+    result = {"requests": 3, "kv_tokens_sent": 1000, "prompt_tokens": 1000, "cached": 600, "matchable": 600,
+              "computed": 400, "replayed": 88, "hits": 2, "exact_hits": 2, "ttft_p50_s": 0.5, "ttft_p99_s": 0.9,
+              "requests_per_s": 1.0}
+    pd.add_wire_bytes(result, {"kv_bytes_per_token": 512, "state_bytes": 29184})
+    assert result["transfer_bytes"] == 1000 * 512 + 3 * 29184
+    table = pd.table({"RAG / agent": {"stock": result, "Tail-Replay": result}})
+    assert table.row_count == 2

@@ -72,10 +72,12 @@ REFUSED = [
     (["--enable-tail-replay", "--pp-size", "2"], "--enable-tail-replay supports --pp-size 1 only"),
     (["--enable-tail-replay", "--disaggregation-mode", "decode", "--tail-replay-anchor-interval", "1024"],
      "--tail-replay-anchor-interval has no effect on a PD decode server"),
+    (["--enable-tail-replay", "--disaggregation-mode", "prefill", "--tail-replay-host-anchors", "4"],
+     "--tail-replay-host-anchors is not tested on a PD prefill server"),
 ]
 REFUSED_IDS = ["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache",
                "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs",
-               "pipeline", "replay-flag-on-a-decode-server"]
+               "pipeline", "replay-flag-on-a-decode-server", "host-anchors-on-a-prefill-server"]
 
 
 def launcher_parser() -> argparse.ArgumentParser:

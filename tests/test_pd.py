@@ -3,7 +3,8 @@ transfer engine over TCP on loopback (`mooncake_tcp`), as a client or `sglang_ro
 them (`tailreplay_sglang/disaggregation.py`, `cache/decode_component.py`).
 
 Four servers, started together: stock_p and stock_d (stock PD), tr_p (Tail-Replay on the prefill server, anchors
-every 512 tokens and an exact budget of 192 tokens, so that one context gives both exact and approximate hits) and
+every 512 tokens and an exact budget of 192 tokens, so that one context gives both exact and approximate hits; its
+hidden store on the host tier) and
 tr_d (Tail-Replay's decode side with SGLang's decode radix cache). Either prefill server can send to either decode
 server: each request names its prefill server's bootstrap address. The reference is the colocated stock server of
 conftest.py (`stock_qwen35_server`, the same weights in float32) with its cache flushed: a PD answer labelled exact
@@ -26,7 +27,8 @@ from tailreplay_eval.server import (PD_ENV, PDRouterProcess, flush_cache, free_p
 pytestmark = pytest.mark.server
 
 FLAGS = ("--dtype", "float32")
-TR_P = ("--enable-tail-replay", "--tail-replay-exact-budget", "192")  # anchors every 512 (the default)
+# anchors every 512 (the default); the hidden store in host memory (the default on a GPU without CUDA graphs)
+TR_P = ("--enable-tail-replay", "--tail-replay-exact-budget", "192", "--tail-replay-hidden-tier", "host")
 MAX_NEW = 6
 
 
