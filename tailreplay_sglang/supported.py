@@ -4,7 +4,8 @@ Six checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
-  and tested for; the command-line checks in `plugin.config_from_args` see only what was typed;
+  and tested for (`SUPPORTED`, and on a PD server `DISAGGREGATED` for its role); the command-line checks in
+  `plugin.config_from_args` see only what was typed;
 - `check_anchor_prefill` (scheduler, same point): the linear-attention prefill kernel the model runner resolved is
   one the interval anchors are read from;
 - `check_speculative_family` (scheduler, same point): speculative decoding only on the families it is tested on;
