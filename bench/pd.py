@@ -34,7 +34,7 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from tailreplay_eval import harness
-from tailreplay_eval.client import document, stream_generate
+from tailreplay_eval.client import document_clients, stream_generate
 from tailreplay_eval.memory import account, device_bytes_per_token
 from tailreplay_eval.server import (PD_ENV, PDRouterProcess, ServerProcess, flush_cache, free_port, pd_decode_args,
                                     pd_prefill_args)
@@ -44,8 +44,6 @@ TRACES = {"RAG / agent": False, "multi-turn chat": True}  # trace -> whether ans
 # A prefill server busy with long prompts on two cores misses the router's 5-second health checks: with its circuit
 # breaker on, the router then refuses every request for that server (HTTP 503, seen in a first run of this script)
 ROUTER_ARGS = ("--disable-circuit-breaker", "--health-check-timeout-secs", "120", "--health-failure-threshold", "100")
-QUESTIONS = ["Which word comes first?", "Which word appears most often?", "Name three words that never appear.",
-             "Summarise the document in one line.", "Which word is the rarest?", "Count the words."]
 
 
 @contextlib.contextmanager
@@ -72,11 +70,6 @@ def deployment(model_path: Path, flags: tuple, kv_tokens: int, log_stem: Path):
             server.stop()
 
 
-def clients(args, seed: int) -> list[tuple[str, list[str]]]:
-    return [(f"System: you are assistant {c}. Reference document: " + document(args.system_words, seed=seed + c),
-             QUESTIONS[:args.requests]) for c in range(args.clients)]
-
-
 def run_trace(router_url: str, prefill_url: str, conversation: bool, tok, args) -> dict:
     flush_cache(prefill_url)
     seen, records, lock = harness.Seen(), [], threading.Lock()
@@ -100,7 +93,7 @@ def run_trace(router_url: str, prefill_url: str, conversation: bool, tok, args) 
                 history += f"\nUser: {question}\nAssistant:" + tok.decode(out["output_ids"])
 
     started = time.perf_counter()
-    work = clients(args, seed=300 if conversation else 400)
+    work = document_clients(args.clients, args.requests, args.system_words, seed=300 if conversation else 400)
     with ThreadPoolExecutor(len(work)) as pool:
         list(pool.map(client, work))
     wall = time.perf_counter() - started

@@ -31,19 +31,11 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from tailreplay_eval import harness
-from tailreplay_eval.client import document, stream_generate
+from tailreplay_eval.client import document_clients, stream_generate
 from tailreplay_eval.server import RouterProcess, flush_cache
 
 WORKERS = {"Tail-Replay": ("--enable-tail-replay",), "stock": ()}
 POLICIES = ("cache_aware", "round_robin")
-QUESTIONS = ["Which word comes first?", "Which word appears most often?", "Name three words that never appear.",
-             "Summarise the document in one line.", "Which word is the rarest?", "Count the words."]
-
-
-def clients(args, seed: int) -> list[tuple[str, list[str]]]:
-    """Per client: its own prefix (a system prompt over its own document) and its questions."""
-    return [(f"System: you are assistant {c}. Reference document: " + document(args.system_words, seed=seed + c),
-             QUESTIONS[:args.requests]) for c in range(args.clients)]
 
 
 SHAPES = {"shared prefix": False, "multi-turn": True}  # shape -> whether answers are fed back (conversation)
@@ -71,7 +63,7 @@ def run_shape(router_url: str, workers: list[str], conversation: bool, tok, args
                                 "served_prompt_tokens": out["meta_info"]["prompt_tokens"]})
 
     started = time.perf_counter()
-    work = clients(args, seed=200 if conversation else 100)
+    work = document_clients(args.clients, args.requests, args.system_words, seed=200 if conversation else 100)
     with ThreadPoolExecutor(len(work)) as pool:
         list(pool.map(client, work))
     wall = time.perf_counter() - started

@@ -2,6 +2,7 @@
 word documents and chat prompts the text workloads are made of (bench/shared_prefix.py, bench/workloads.py,
 bench/router.py)."""
 
+import concurrent.futures
 import json
 import random
 import time
@@ -15,6 +16,18 @@ WORDS = ("river stone lantern harbor signal garden copper window engine meadow s
 def document(n_words: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+DOCUMENT_QUESTIONS = ["Which word comes first?", "Which word appears most often?",
+                      "Name three words that never appear.", "Summarise the document in one line.",
+                      "Which word is the rarest?", "Count the words."]
+
+
+def document_clients(clients: int, requests: int, system_words: int, seed: int) -> list[tuple[str, list[str]]]:
+    """Per client of a multi-client trace (bench/router.py, bench/pd.py): its own prefix, a system prompt over its
+    own document, and its questions."""
+    return [(f"System: you are assistant {c}. Reference document: " + document(system_words, seed=seed + c),
+             DOCUMENT_QUESTIONS[:requests]) for c in range(clients)]
 
 
 def stream_generate(base_url: str, input_ids: list[int] | str, max_new_tokens: int, **extra) -> dict:
@@ -47,8 +60,6 @@ def pd_generate(prefill_url: str, bootstrap_port: int, decode_url: str, body: di
     """One request through a PD pair without a router, as SGLang's mini load balancer sends it: the same body,
     with the prefill server's bootstrap address and a room id, posted to both servers at once. Returns both JSON
     answers (the prefill server's carries its own meta_info: its cached tokens and Tail-Replay values)."""
-    import concurrent.futures
-
     room = random.randrange(1, 2**63) if room is None else room
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -15,7 +15,7 @@ rows cross the wire). The decode server (D) never replays: it receives the final
 import math
 import struct
 
-from tailreplay_sglang.cache.request import state_of
+from tailreplay_sglang.cache.request import REQ_ATTR, TailReplayReq, state_of
 
 FIRST_SLOT = 7  # of the (size, 16) int32 `cached_tokens` rows: SGLang uses 0-6 (utils.py's set_buf)
 MARKER = 0x54524C31  # "TRL1": the row was written by a Tail-Replay prefill server (a stock one leaves 0)
@@ -37,16 +37,16 @@ def encode(state) -> list[int]:
     return [MARKER, state.tokens, int(bool(state.exact)), anchor, _float_bits(state.ms), _float_bits(survival)]
 
 
-def decode(slots) -> dict | None:
-    """The values `encode` wrote (`visibility.KEYS`), or None where no Tail-Replay prefill server wrote them."""
+def decode(slots) -> TailReplayReq | None:
+    """The request state `encode` wrote, or None where no Tail-Replay prefill server wrote one."""
     slots = [int(s) for s in slots]
     if len(slots) < 6 or slots[0] != MARKER:
         return None
     _, tokens, exact, anchor, ms, survival = slots[:6]
     survival = _bits_float(survival)
-    return {"tail_replay_tokens": tokens, "tail_replay_ms": round(_bits_float(ms), 3),
-            "tail_replay_exact": bool(exact), "tail_replay_anchor": None if anchor == _NONE_ANCHOR else anchor,
-            "tail_replay_state_survival": None if math.isnan(survival) else round(survival, 6)}
+    return TailReplayReq(exact=bool(exact), anchor=None if anchor == _NONE_ANCHOR else anchor, tokens=tokens,
+                         ms=round(_bits_float(ms), 3),
+                         state_survival=None if math.isnan(survival) else round(survival, 6))
 
 
 def relay_to_decode(runtime, result, buffers, req, *args, **kwargs):
@@ -66,12 +66,6 @@ def take_relayed(runtime, result, queue, decode_req, *args, **kwargs):
     buffers = queue.metadata_buffers
     if idx is None or idx < 0 or int(buffers.bootstrap_room[idx, 0]) != (req.bootstrap_room or 0):
         return result  # aborted or not a real transfer (SGLang already failed the request)
-    fields = decode(buffers.cached_tokens[idx, FIRST_SLOT:FIRST_SLOT + 6].tolist())
-    state = state_of(req)
-    if fields is None:
-        state.exact = True
-        return result
-    state.exact, state.tokens, state.ms = fields["tail_replay_exact"], fields["tail_replay_tokens"], \
-        fields["tail_replay_ms"]
-    state.anchor, state.state_survival = fields["tail_replay_anchor"], fields["tail_replay_state_survival"]
+    relayed = decode(buffers.cached_tokens[idx, FIRST_SLOT:FIRST_SLOT + 6].tolist())
+    setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))
     return result

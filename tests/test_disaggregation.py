@@ -27,12 +27,13 @@ def test_relayed_values_are_what_the_prefill_server_reports(state):
     row = torch.zeros(16, dtype=torch.int32)
     row[disaggregation.FIRST_SLOT:disaggregation.FIRST_SLOT + 6] = torch.tensor(disaggregation.encode(state),
                                                                               dtype=torch.int32)
-    relayed = disaggregation.decode(row[disaggregation.FIRST_SLOT:].tolist())
 
     class Req:
-        tail_replay = state
+        def __init__(self, state):
+            self.tail_replay = state
 
-    expected = visibility.fields_of(Req())
+    relayed = visibility.fields_of(Req(disaggregation.decode(row[disaggregation.FIRST_SLOT:].tolist())))
+    expected = visibility.fields_of(Req(state))
     assert relayed.keys() == expected.keys() == set(visibility.KEYS)
     assert relayed["tail_replay_ms"] == pytest.approx(expected["tail_replay_ms"], abs=1e-3)
     assert {k: v for k, v in relayed.items() if k != "tail_replay_ms"} == \
@@ -57,7 +58,7 @@ def test_the_relay_writes_only_sglangs_spare_slots():
     disaggregation.relay_to_decode(None, None, Buffers, Req)
     assert Buffers.cached_tokens[1, :7].tolist() == list(range(16, 23))
     assert Buffers.cached_tokens[0].tolist() == list(range(16))
-    assert disaggregation.decode(Buffers.cached_tokens[1, 7:].tolist())["tail_replay_exact"] is False
+    assert disaggregation.decode(Buffers.cached_tokens[1, 7:].tolist()).exact is False
 
 
 def _config(tiny_qwen35, *flags):

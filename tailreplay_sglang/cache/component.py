@@ -54,18 +54,39 @@ from tailreplay_sglang.layout import SUPPORTED
 RADIX_CACHE_BACKEND = "tail_replay"  # the name this backend is registered under (--radix-cache-backend)
 
 
-class TailReplayMambaComponent(MambaComponent):
-    """SGLang builds its components as `cls(cache, params)`; the backend factory binds our runtime first."""
+class TaintedKVComponent(MambaComponent):
+    """What Tail-Replay's MAMBA components share (this one, and the PD decode server's in `decode_component.py`):
+    the runtime, no branching point of stock's own state grid, and the taint of the KV an approximate request
+    inserts (`TAINT_ATTR` on its InsertParams marks the new leaf; both halves of a split keep it). SGLang builds
+    components as `cls(cache, params)`; the backend factory binds our runtime first."""
 
     def __init__(self, cache, params, runtime):
         super().__init__(cache, params)
         self.runtime = runtime
 
-    def create_match_validator(self, match_device_only: bool = False):
-        return lambda node: True  # states are rebuilt, so any node with KV (FULL's validator) ends a match
-
     def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
         return result._replace(mamba_branching_seqlen=None)
+
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        if is_new_leaf and getattr(params, TAINT_ATTR, False):
+            setattr(node, TAINT_ATTR, True)  # the new leaf is the KV this request computed past what was cached
+        if params.mamba_value is not None:
+            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
+    def redistribute_on_node_split(self, new_parent, child):
+        super().redistribute_on_node_split(new_parent, child)
+        setattr(new_parent, TAINT_ATTR, getattr(child, TAINT_ATTR, False))  # both halves come from one insert
+
+
+def with_mamba_component(ctx, component) -> None:
+    """Have SGLang's unified radix cache build `component` (bound to its runtime) as its MAMBA component."""
+    ctx.params.component_registry_override = {
+        **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: component}
+
+
+class TailReplayMambaComponent(TaintedKVComponent):
+    def create_match_validator(self, match_device_only: bool = False):
+        return lambda node: True  # states are rebuilt, so any node with KV (FULL's validator) ends a match
 
     def refresh_lru(self, phase, node, root_node):
         # Stock refreshes the match end's state; ours is the anchor above it (or none), so used anchors stay warm.
@@ -179,16 +200,6 @@ class TailReplayMambaComponent(MambaComponent):
         insert_params.mamba_value = None  # an approximate state is never an anchor
         setattr(insert_params, TAINT_ATTR, not is_exact(req))
         return token_ids_len
-
-    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        if is_new_leaf and getattr(params, TAINT_ATTR, False):
-            setattr(node, TAINT_ATTR, True)  # the new leaf is the KV this request computed past what was cached
-        if params.mamba_value is not None:
-            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
-
-    def redistribute_on_node_split(self, new_parent, child):
-        super().redistribute_on_node_split(new_parent, child)
-        setattr(new_parent, TAINT_ATTR, getattr(child, TAINT_ATTR, False))  # both halves come from one insert
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
         if self.runtime.config.anchored and is_exact(req):
@@ -339,7 +350,5 @@ def create_tail_replay_cache(runtime, ctx):
     if not ctx.is_hybrid_ssm:
         raise ValueError(f"--enable-tail-replay needs a hybrid model with linear-attention layers. "
                          f"Supported: {SUPPORTED}")
-    component = functools.partial(TailReplayMambaComponent, runtime=runtime)
-    ctx.params.component_registry_override = {
-        **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: component}
+    with_mamba_component(ctx, functools.partial(TailReplayMambaComponent, runtime=runtime))
     return create_unified_radix_cache(ctx, cache_class=functools.partial(TailReplayRadixCache, runtime=runtime))

@@ -17,24 +17,14 @@ This component:
 import functools
 
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
+from tailreplay_sglang.cache.component import TaintedKVComponent, with_mamba_component
 from tailreplay_sglang.cache.request import TAINT_ATTR, is_exact, is_tainted
 
 
-class DecodeMambaComponent(MambaComponent):
-    """SGLang builds its components as `cls(cache, params)`; the backend factory binds our runtime first."""
-
-    def __init__(self, cache, params, runtime):
-        super().__init__(cache, params)
-        self.runtime = runtime
-
+class DecodeMambaComponent(TaintedKVComponent):
     def create_match_validator(self, match_device_only: bool = False):
         return lambda node: not is_tainted(node)  # ends a match at any node above the first tainted one
-
-    def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
-        return result._replace(mamba_branching_seqlen=None)
 
     def finalize_match_result_in_cache(self, params, result):
         if params.req is not None:  # no copy-on-write: P's transfer writes the request's slot
@@ -49,14 +39,6 @@ class DecodeMambaComponent(MambaComponent):
         setattr(insert_params, TAINT_ATTR, not is_exact(req))
         return token_ids_len
 
-    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        if is_new_leaf and getattr(params, TAINT_ATTR, False):
-            setattr(node, TAINT_ATTR, True)
-
-    def redistribute_on_node_split(self, new_parent, child):
-        super().redistribute_on_node_split(new_parent, child)
-        setattr(new_parent, TAINT_ATTR, getattr(child, TAINT_ATTR, False))  # both halves come from one insert
-
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
         if is_finished and req.kv.holds_mamba:
             self.cache.req_to_token_pool.free_mamba_cache(req)
@@ -64,7 +46,5 @@ class DecodeMambaComponent(MambaComponent):
 
 def create_decode_cache(runtime, ctx):
     """SGLang's unified radix cache with the decode MAMBA component (`lifecycle.build_tree_cache` on D)."""
-    component = functools.partial(DecodeMambaComponent, runtime=runtime)
-    ctx.params.component_registry_override = {
-        **(ctx.params.component_registry_override or {}), ComponentType.MAMBA: component}
+    with_mamba_component(ctx, functools.partial(DecodeMambaComponent, runtime=runtime))
     return create_unified_radix_cache(ctx)
