@@ -1,10 +1,10 @@
-"""PD disaggregation through the real sglang-router: stock PD against Tail-Replay PD at equal device memory.
+"""PD disaggregation through the real router (smg, sglang-router's new name): stock PD against Tail-Replay PD at equal device memory.
 
     python bench/pd.py [--preset small] [--clients 2] [--requests 4] [--system-words 600] [--gen-tokens 16] \
         [--kv-tokens 16384] [--out runs/pd.json]
 
 Two PD deployments start together, each a prefill and a decode server joined by Mooncake's transfer engine over
-TCP on loopback (`mooncake_tcp`) and `sglang_router --pd-disaggregation` in front: stock (both servers stock) and
+TCP on loopback (`mooncake_tcp`) and `smg.launch_router --pd-disaggregation` in front: stock (both servers stock) and
 Tail-Replay (`--enable-tail-replay` on both: the prefill server replays, the decode server streams its labels). Decode
 servers run SGLang's default (no decode radix cache), so each request's whole prompt KV crosses the wire in both arms.
 Equal device memory: the stock prefill pool holds `--kv-tokens` tokens; Tail-Replay's gets the same bytes, its hidden
@@ -115,7 +115,7 @@ def add_wire_bytes(result: dict, wire: dict) -> None:
 
 
 def table(results: dict) -> Table:
-    t = Table(title="PD disaggregation behind sglang-router: stock against Tail-Replay, equal device memory")
+    t = Table(title="PD disaggregation behind the PD router: stock against Tail-Replay, equal device memory")
     for col in ("trace", "arm", "prefill tokens computed", "replayed", "reused / matchable", "exact hits",
                 "TTFT p50 (s)", "TTFT p99 (s)", "req/s", "transferred"):
         t.add_column(col, justify="right")
@@ -146,7 +146,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks(np.arange(len(traces)) + width * (len(arms) - 1) / 2, traces)
         ax.set_ylabel(label)
     axes[0].legend()
-    fig.suptitle("PD (prefill + decode over Mooncake TCP) behind sglang-router, 2-core CPU")
+    fig.suptitle("PD (prefill + decode over Mooncake TCP) behind the PD router, 2-core CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

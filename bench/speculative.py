@@ -34,11 +34,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tailreplay_eval import harness  # noqa: E402
-from tailreplay_eval.client import chat_ids, stream_generate  # noqa: E402
-from tailreplay_eval.corpus import sentence, training_corpus  # noqa: E402
-from tailreplay_eval.mtp import with_mtp_head  # noqa: E402
+from tailreplay_eval import harness
+from tailreplay_eval.client import chat_ids, stream_generate
+from tailreplay_eval.corpus import sentence, training_corpus
+from tailreplay_eval.mtp import with_mtp_head
 
 NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4")

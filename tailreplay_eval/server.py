@@ -244,7 +244,13 @@ def pd_decode_args(radix_cache: bool = False) -> tuple[str, ...]:
 
 @dataclass
 class PDRouterProcess(ServerProcess):
-    """`sglang_router.launch_router --pd-disaggregation` in front of running prefill and decode servers."""
+    """`smg.launch_router --pd-disaggregation` in front of running prefill and decode servers.
+
+    smg (Shepherd Model Gateway) is sglang-router under its new name. The last sglang-router (0.3.2) never seeds the
+    trees of its PD `cache_aware` policies (worker registration initialises only the per-model policy), so it logs
+    "No tree found for model ..., using random worker selection" and places every prefill at random; smg 1.13.0
+    seeds them (smg-project/smg#1520). Its cache_aware placement routes on the request's text: requests that carry
+    only input_ids are load-balanced."""
 
     model_path: str = ""
     prefills: tuple[tuple[str, int], ...] = ()  # (url, bootstrap port)
@@ -256,7 +262,7 @@ class PDRouterProcess(ServerProcess):
     def command(self) -> list[str]:
         prefill = [arg for url, port in self.prefills for arg in ("--prefill", url, str(port))]
         decode = [arg for url in self.decodes for arg in ("--decode", url)]
-        return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *prefill, *decode,
+        return [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation", *prefill, *decode,
                 "--prefill-policy", self.prefill_policy, "--decode-policy", self.decode_policy,
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra_args]

@@ -314,7 +314,8 @@ def hook_registry_callers(package) -> list[str]:
 # ---- HiCache servers (test_hicache.py, test_hicache_tail_replay.py) ----
 
 CONTEXT, QUESTION, HICACHE_DEVICE_TOKENS = 700, 24, 1200  # three 700-token contexts push an earlier one to the host
-HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-size", "1",
+# no --hicache-io-backend: SGLang's default (`kernel`, CUDA-only) becomes `direct` on the CPU engine (the CPU port)
+HICACHE = ("--enable-hierarchical-cache", "--hicache-size", "1",
            "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
            "--dtype", "float32", "--enable-cache-report",
            # three servers start at once, each allocating a 1 GiB host pool: SGLang's check that the memory left

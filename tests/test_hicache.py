@@ -1,6 +1,7 @@
 """Stock SGLang HiCache on our CPUs (issue 42 item 1): the host tier (L2) and the `file` storage backend (L3) for a
 hybrid GDN model, under the CPU default (no_buffer) and SGLang's GPU default (extra_buffer with the overlap
-scheduler), with the `direct` io backend (`sglang_cpu_compat/kvcacheio.py`; docs/cpu.md says why not `kernel`).
+scheduler), with the `direct` io backend (`sglang_cpu_compat/kvcacheio.py`), which the CPU port picks when no
+`--hicache-io-backend` is given (SGLang's default, `kernel`, is CUDA-only: docs/cpu.md).
 Tail-Replay on the same tiers: test_hicache_tail_replay.py.
 
 Every hit is checked against the same server's no-cache prefill (`no_cache`, with an `extra_key` of its own so that
@@ -61,6 +62,8 @@ def reference(server, hf_qwen35, prompt) -> dict:
 
 @pytest.mark.parametrize("name", list(STRATEGY))
 def test_servers_run_hicache_with_the_direct_backend(servers, name):
+    """Started without --hicache-io-backend: the CPU engine resolved SGLang's default to `direct`, and SGLang the
+    host layout to match."""
     info = requests.get(f"{servers[name].base_url}/server_info", timeout=30).json()
     assert info["enable_hierarchical_cache"] is True and info["hicache_storage_backend"] == "file"
     assert (info["hicache_io_backend"], info["hicache_mem_layout"]) == ("direct", "page_first_direct")

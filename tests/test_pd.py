@@ -20,7 +20,7 @@ import requests
 
 from helpers import Spec, assert_exact, no_cache, random_ids, start_servers
 from soak import pool_leaks, pools, wait_idle
-from tailreplay_eval.client import pd_generate
+from tailreplay_eval.client import document_clients, pd_generate
 from tailreplay_eval.server import (PD_ENV, PDRouterProcess, flush_cache, free_port, pd_decode_args,
                                     pd_prefill_args)
 
@@ -56,10 +56,11 @@ class PD:
 
 @pytest.fixture(scope="module")
 def pd(tiny_qwen35, tmp_path_factory):
-    bootstrap = {"stock_p": free_port(), "tr_p": free_port()}
+    bootstrap = {"stock_p": free_port(), "tr_p": free_port(), "tr_p2": free_port()}
     specs = {
         "stock_p": Spec(tiny_qwen35, FLAGS + pd_prefill_args(bootstrap["stock_p"]), PD_ENV),
         "tr_p": Spec(tiny_qwen35, FLAGS + TR_P + pd_prefill_args(bootstrap["tr_p"]), FAULT_ENV),
+        "tr_p2": Spec(tiny_qwen35, FLAGS + TR_P + pd_prefill_args(bootstrap["tr_p2"]), PD_ENV),
         "stock_d": Spec(tiny_qwen35, FLAGS + pd_decode_args(), PD_ENV),
         "tr_d": Spec(tiny_qwen35, FLAGS + ("--enable-tail-replay",) + pd_decode_args(radix_cache=True), FAULT_ENV),
     }
@@ -207,6 +208,38 @@ def test_router_returns_an_exact_off_grid_fork_with_its_fields(pd, reference):
         assert r.json()["output_ids"] == reference_of(reference, fork, 600)["output_ids"]
     finally:
         router.stop()
+
+
+def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it(pd):
+    """Two Tail-Replay prefill servers behind the router's cache_aware prefill policy (smg; sglang-router 0.3.2
+    places every prefill at random, see PDRouterProcess). Each document's follow-ups are off-grid forks of its first
+    request: they hit only on the prefill server that computed the document (the other never saw it), so every
+    follow-up hitting the whole document means it was sent there. Both servers end up holding documents."""
+    for name in ("tr_p", "tr_p2"):
+        flush_cache(pd[name].base_url)
+    router = PDRouterProcess(prefills=tuple((pd[name].base_url, pd.bootstrap[name]) for name in ("tr_p", "tr_p2")),
+                             decodes=(pd["tr_d"].base_url,)).start()
+    try:
+        router.wait_healthy(120)
+        documents = document_clients(clients=4, requests=3, system_words=300, seed=70)
+
+        def ask(prompt: str) -> dict:  # text, not input_ids: the policy matches on the request's text
+            r = requests.post(f"{router.base_url}/generate", timeout=120, json={
+                "text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+            r.raise_for_status()
+            return r.json()["meta_info"]
+
+        firsts = [ask(f"{prefix}\nQuestion: {questions[0]}") for prefix, questions in documents]
+        for (prefix, questions), first in zip(documents, firsts):
+            for question in questions[1:]:
+                meta = ask(f"{prefix}\nQuestion: {question}")
+                # the shared part is the first request's prompt less its question (under 16 tokens)
+                assert meta["cached_tokens"] >= first["prompt_tokens"] - 16, (question, meta, first)
+                assert meta["tail_replay_tokens"] > 0  # an off-grid hit, replayed on that server
+    finally:
+        router.stop()
+    held = {name: wait_idle(pd[name].base_url)["tree_evictable"] for name in ("tr_p", "tr_p2")}
+    assert min(held.values()) > 0, held  # placement spread the documents over both servers
 
 
 @pytest.mark.parametrize("room", [-1, 2**63, "room-1", 1.5])

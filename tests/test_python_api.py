@@ -122,7 +122,6 @@ def _summary(out: dict) -> dict:
             "exact": meta["tail_replay_exact"]}
 
 
-@pytest.mark.server
 def _no_cache(server, ids) -> dict:
     """The reference: the HTTP server's own prefill with its cache flushed first."""
     flush_cache(server.base_url)
@@ -131,6 +130,7 @@ def _no_cache(server, ids) -> dict:
     return out
 
 
+@pytest.mark.server
 def test_engine_shared_prefix_batch_hits_and_answers_as_no_cache(engine_run, exact_tail_replay_server, tok_qwen35):
     """The batch's hits against the HTTP server's own no-cache prefill of each prompt (same flags and weights): every
     question token and output log-prob as close as stock's own hit, greedy outputs equal up to a near-tie."""

@@ -167,6 +167,18 @@ def test_only_env_reads_the_environment_in_the_cpu_port():
     assert readers == {"env.py"}
 
 
+def test_bench_scripts_import_without_path_edits():
+    """bench/ and scripts/ run as `python bench/X.py`: the editable install puts the repository root on sys.path, so
+    none edits it, and each imports with a plain interpreter started elsewhere."""
+    scripts = sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    editors = [p.relative_to(ROOT).as_posix() for p in scripts if "sys.path" in p.read_text()]
+    assert editors == []
+    # each run as a module (no main), in one interpreter started outside the repository
+    load = "import runpy, sys\nfor path in sys.argv[1:]:\n    print(path, flush=True)\n    runpy.run_path(path, run_name='x')"
+    run = subprocess.run([sys.executable, "-c", load, *map(str, scripts)], capture_output=True, text=True, cwd="/")
+    assert run.returncode == 0, (run.stdout.splitlines()[-1:], run.stderr[-2000:])
+
+
 def test_the_tree_passes_ruff():
     """The style pyproject.toml configures ([tool.ruff]) holds everywhere ruff looks."""
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,

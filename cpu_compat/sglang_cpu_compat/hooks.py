@@ -76,6 +76,10 @@ CPU_ENGINE = (
     Hook(f"{_SRT}.mem_cache.pool_host.mha.MHATokenToKVPoolHost", "call", f"{_PKG}.kvcacheio:install",
          "HiCache's host pools (KV, MLA, mamba) import their copies from sgl_kernel.kvcacheio only on CUDA / ROCm / "
          "XPU: the `direct` io backend's three bound to torch gathers and scatters"),
+    Hook(f"{_SRT}.arg_groups.hicache_hook.resolve_layout_io_compatibility", "before",
+         f"{_PKG}.kvcacheio:direct_io_backend",
+         "SGLang's default HiCache io backend (`kernel`) is CUDA-only: the server would start and its scheduler die at "
+         "the first backup; the CPU engine takes `direct`"),
     Hook(f"{_SRT}.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",
          "HiCache's KV host pool pins its buffer (cudaHostRegister) by default, which a CPU-only torch refuses"),
     Hook(f"{_SRT}.mem_cache.pool_host.mla.MLATokenToKVPoolHost.__init__", "around", f"{_PKG}.kvcacheio:unpinned",

@@ -8,9 +8,16 @@ which is the same copy when a page's indices are consecutive (they are: pages ar
 per page. `--hicache-io-backend direct` selects them, and with it the `page_first_direct` host layout
 (`[page, layer, page_size, ...]` per K, V or state buffer). The host pools also pin their buffers through
 `cudaHostRegister` / `pin_memory=True` by default, which a CPU-only torch refuses: they are built unpinned.
+SGLang's default io backend, `kernel`, is sgl-kernel's CUDA transfer kernels, which the CPU engine lacks (the server
+starts, then its scheduler dies at the first backup: a NameError, then "'Stream' object has no attribute
+'synchronize'"): a CPU server takes `direct` instead, with a warning, as SGLang itself switches the backend where a
+layout needs it.
 """
 
 import inspect
+import logging
+
+logger = logging.getLogger(__name__)
 
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
                      "sglang.srt.mem_cache.pool_host.mamba")
@@ -71,3 +78,15 @@ def unpinned(original, *args, **kwargs):
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.arguments["pin_memory"] = False
     return original(*bound.args, **bound.kwargs)
+
+
+def direct_io_backend(server_args) -> None:
+    """BEFORE `hicache_hook.resolve_layout_io_compatibility` (it runs only when HiCache is on): `kernel` becomes
+    `direct` on the CPU engine, before SGLang matches the host layout to the backend (page_first -> page_first_direct
+    follows from it there)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    if resolving_view(server_args).hicache_io_backend == "kernel":
+        declare_resolution(server_args, "sglang_cpu_compat.direct_io_backend", hicache_io_backend="direct")
+        logger.warning("--hicache-io-backend kernel is sgl-kernel's CUDA transfer kernels; the CPU engine uses the "
+                       "direct backend (torch copies)")

@@ -79,3 +79,18 @@ def test_host_pools_are_built_unpinned():
     assert kvcacheio.unpinned(init, object(), 1, 2.0, 3, 1, "page_first_direct") is False
     assert kvcacheio.unpinned(init, object(), 1, 2.0, 3, 1, "page_first_direct", True) is False
     assert kvcacheio.unpinned(init, object(), 1, 2.0, 3, 1, "page_first_direct", pin_memory=True) is False
+
+
+@pytest.mark.parametrize("asked, backend", [("kernel", "direct"), ("direct", "direct")])
+def test_the_cpu_engine_resolves_hicache_to_the_direct_backend(asked, backend):
+    """SGLang's default io backend (`kernel`) is CUDA-only: before SGLang matches the host layout to the backend, the
+    port's row makes it `direct`, and SGLang's own step then picks the layout the direct copies use."""
+    from sglang.srt.arg_groups.hicache_hook import resolve_layout_io_compatibility
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path="dummy", enable_hierarchical_cache=True, hicache_io_backend=asked)
+    kvcacheio.direct_io_backend(server_args)
+    resolve_layout_io_compatibility(server_args)
+    resolved = resolved_view(server_args)
+    assert (resolved.hicache_io_backend, resolved.hicache_mem_layout) == (backend, "page_first_direct")
