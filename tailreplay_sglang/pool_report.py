@@ -47,6 +47,9 @@ def pool_report(scheduler, runtime) -> dict:
         "host_anchors_dropped": 0 if host is None else host.dropped,  # host states dropped by the host LRU
         "host_anchor_hits": 0 if host is None else host.restored,  # hits that started from a host state
         "host_anchor_copy_ms": 0.0 if host is None else round(host.copy_seconds * 1e3, 3),
+        # holds that end within a scheduling step (anchor_copy): a leak shows as a count left on an idle server
+        "host_anchor_pins": 0 if host is None else host.pins,
+        "staged_anchors": len(runtime.staged_anchors),  # anchors held from a match until the batch and its forward
         "decode_reused_tokens": runtime.decode_reused_tokens,  # PD decode: KV its own tree gave (not transferred)
         "waiting_reqs": len(scheduler.waiting_queue),
         "running_reqs": len(scheduler.running_batch.reqs),

@@ -138,17 +138,35 @@ def launch(tmp_path_factory, specs: dict[str, Spec], servers: dict | None = None
         for server in servers.values():
             server.wait_healthy()
     except BaseException:
-        stop_all(servers)
+        stop_all(servers, check_holds=False)
         raise
     return servers
 
 
-def stop_all(servers: dict[str, ServerProcess]) -> None:
-    """Stop the servers together, each by its process group, and check that none survived."""
+HOLD_KEYS = ("host_anchor_pins", "staged_anchors")
+
+
+def holds_left(server: ServerProcess) -> dict:
+    """What a Tail-Replay server still holds once idle of what must not outlive a scheduling step (host anchor pins,
+    staged anchors: `anchor_copy`); {} for a stock server, a decode server or one a test killed."""
+    from soak import wait_idle
+
+    try:
+        report = wait_idle(server.base_url, timeout=20)
+    except (requests.RequestException, KeyError, IndexError, TypeError, ValueError):
+        return {}
+    return {key: report[key] for key in HOLD_KEYS if report.get(key)}
+
+
+def stop_all(servers: dict[str, ServerProcess], check_holds: bool = True) -> None:
+    """Stop the servers together, each by its process group, and check that none survived and, after its module's
+    last test, that no Tail-Replay server was left holding an anchor."""
+    held = {name: h for name, server in servers.items() if check_holds and (h := holds_left(server))}
     with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
         list(pool.map(ServerProcess.stop, servers.values()))
     alive = [name for name, server in servers.items() if _group_alive(server.proc.pid)]
     assert not alive, f"server process groups survived stop(): {alive}"
+    assert not held, f"anchors still held on idle servers: {held}"
 
 
 def spec_key(spec: Spec) -> tuple:

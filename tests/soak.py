@@ -234,6 +234,8 @@ def pool_leaks(p: dict) -> list[str]:
         "no hidden write-back left pending": p["pending_write_backs"] == 0,
         "the hidden store covers every KV slot": p["hidden_store_slots"] > p["kv_total"],
         "the host anchor pool holds at most its size": p["host_anchors_used"] <= p["host_anchors_total"],
+        "no host anchor is left pinned": p["host_anchor_pins"] == 0,
+        "no anchor is left staged or held": p["staged_anchors"] == 0,
     }
     return [f"{name}: {p}" for name, ok in checks.items() if not ok]
 

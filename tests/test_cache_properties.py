@@ -493,7 +493,16 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.check_tree_states()
         self.check_mamba_slots()
         self.check_tree_against_reference()
+        self.check_no_holds()
         self.cache.sanity_check()  # SGLang's own: leaf sets, LRUs, size ledgers
+
+    def check_no_holds(self):
+        """Every rule is whole scheduling steps, and what a step holds ends within it (anchor_copy): between rules
+        no anchor is staged and no host anchor pinned (a leak would silt up the host pool: pool_report counts them
+        on servers)."""
+        assert len(self.runtime.staged_anchors) == 0, "an anchor is still staged after its scheduling step"
+        host = self.runtime.host_anchors
+        assert host is None or host.pins == 0, f"host anchors still pinned after their scheduling step: {host._pinned}"
 
     def check_kv_partition(self):
         free = self.allocator.free_pages.tolist() + self.allocator.release_pages.tolist()
@@ -1094,6 +1103,10 @@ def fold_without_cutting_the_match(self, result, anchor, depth: int):
     return result
 
 
+def unpin_nothing(self, node):
+    pass
+
+
 def plain_lru_victim(self, lru):
     return lru.get_lru_no_lock()
 
@@ -1134,6 +1147,7 @@ BROKEN_HOST = {
     "a host anchor is not copied back": ({(HostAnchors, "restore"): restore_nothing}, "reported exact"),
     "host states outlive their nodes": ({"discard_deleted_session_leaf": keep_deleted_nodes},
                                         "deleted node|outlived their nodes"),
+    "a host anchor's pin is never dropped": ({(HostAnchors, "unpin"): unpin_nothing}, "still pinned"),
 }
 
 

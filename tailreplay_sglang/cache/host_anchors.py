@@ -97,6 +97,11 @@ class HostAnchors:
         if left:
             self._pinned[node] = left
 
+    @property
+    def pins(self) -> int:
+        """Pins not yet dropped: none once no scheduling step is under way (each hit unpins in its forward)."""
+        return sum(self._pinned.values())
+
     def discard(self, node) -> None:
         slot = self._slots.pop(node, None)
         if slot is not None:
