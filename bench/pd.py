@@ -1,4 +1,4 @@
-"""PD disaggregation through the real router (smg, sglang-router's new name): stock PD against Tail-Replay PD at equal device memory.
+"""PD disaggregation through the PD router (smg): stock PD against Tail-Replay PD at equal device memory.
 
     python bench/pd.py [--preset small] [--clients 2] [--requests 4] [--system-words 600] [--gen-tokens 16] \
         [--kv-tokens 16384] [--out runs/pd.json]

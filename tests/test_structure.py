@@ -174,7 +174,8 @@ def test_bench_scripts_import_without_path_edits():
     editors = [p.relative_to(ROOT).as_posix() for p in scripts if "sys.path" in p.read_text()]
     assert editors == []
     # each run as a module (no main), in one interpreter started outside the repository
-    load = "import runpy, sys\nfor path in sys.argv[1:]:\n    print(path, flush=True)\n    runpy.run_path(path, run_name='x')"
+    load = ("import runpy, sys\n"
+            "for path in sys.argv[1:]:\n    print(path, flush=True)\n    runpy.run_path(path, run_name='x')")
     run = subprocess.run([sys.executable, "-c", load, *map(str, scripts)], capture_output=True, text=True, cwd="/")
     assert run.returncode == 0, (run.stdout.splitlines()[-1:], run.stderr[-2000:])
 
