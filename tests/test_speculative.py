@@ -16,9 +16,10 @@ import concurrent.futures
 
 import pytest
 
-from helpers import MODELS_DIR, assert_anchored_hit, assert_exact, generate, no_cache, random_ids, scored, start_servers
+from helpers import MODELS_DIR, assert_anchored_hit, assert_exact, generate, random_ids, scored, start_servers
 from helpers import Spec as ServerSpec
 from tailreplay_eval.models import build_model
+from tailreplay_eval.server import flush_cache
 from tailreplay_eval.reference import greedy_generate, load_hf_model
 
 pytestmark = pytest.mark.server
@@ -145,11 +146,14 @@ def _forks(server) -> list[list[int]]:
 def test_hits_at_any_boundary_equal_no_cache_with_acceptance_intact(tr_servers, name):
     """Resends and forks of a context whose answer was decoded speculatively (its hidden rows written by verify
     passes): each hit is labelled exact, equals the same server's no-cache prefill, and drafts are accepted as
-    without the cache (a wrong replayed state would drive acceptance to 1.0 first)."""
+    without the cache (a wrong replayed state would drive acceptance to 1.0 first). No flush between the answer and
+    the hits: the reference runs in a cache namespace of its own (`extra_key`), so the hit at 701 replays the rows
+    the verify of the answer's first token wrote."""
     server = tr_servers[name]
+    flush_cache(server.base_url)
     for prompt, cut in zip(_forks(server), CUTS):
-        reference = no_cache(server, prompt, cut, 24)
-        generate(server, prompt[:cut], 1)  # the prefix back in the tree (the flush took it)
+        reference = scored(server, prompt, cut, 24, extra_key=f"reference {cut}")
+        assert reference["meta"]["cached_tokens"] == 0
         hit = scored(server, prompt, cut, 24)
         meta = hit["meta"]
         assert meta["cached_tokens"] > 0 and meta["tail_replay_exact"] is True, meta
@@ -164,13 +168,15 @@ def test_hits_at_any_boundary_equal_no_cache_with_acceptance_intact(tr_servers, 
 def test_concurrent_hits_each_equal_no_cache(tr_servers):
     """Three forks hit at once: their replays and first verifies share batches."""
     server = tr_servers["replay"]
-    prompts = _forks(server)
-    references = [no_cache(server, prompt, cut, 16) for prompt, cut in zip(prompts, CUTS)]
-    generate(server, prompts[-1][: CUTS[-1]], 1)
+    flush_cache(server.base_url)
+    prompts = _forks(server)  # the rows past the context come from verify passes, as above: no flush after it
+    references = [scored(server, prompt, cut, 16, extra_key=f"reference {cut}") for prompt, cut in zip(prompts, CUTS)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         hits = list(pool.map(lambda args: scored(server, args[0], args[1], 16), zip(prompts, CUTS)))
-    for hit, reference in zip(hits, references):
-        assert hit["meta"]["cached_tokens"] > 0 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
+    for hit, reference, cut in zip(hits, references, CUTS):
+        assert reference["meta"]["cached_tokens"] == 0
+        assert hit["meta"]["tail_replay_tokens"] == hit["meta"]["cached_tokens"] == cut, hit["meta"]
+        assert hit["meta"]["tail_replay_exact"] is True
         assert_exact(hit, reference)
 
 
@@ -232,8 +238,9 @@ def test_eviction_keeps_answers_and_acceptance(servers, tr_servers, prompts, pla
         assert after > 1.3 and abs(after - before) <= 0.2, (name, before, after)
     server = tr_servers["replay"]
     prompt = contexts[3][:211] + random_ids(8, seed=599)
-    reference = no_cache(server, prompt, 211, 16)
-    generate(server, contexts[3], 1)
+    reference = scored(server, prompt, 211, 16, extra_key="reference")  # no flush: the cache as the pressure left it
+    assert reference["meta"]["cached_tokens"] == 0
+    generate(server, contexts[3], 1)  # back in the tree if the pressure evicted it
     hit = scored(server, prompt, 211, 16)
     assert hit["meta"]["tail_replay_tokens"] == 211 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
     assert_exact(hit, reference)
