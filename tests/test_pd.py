@@ -214,11 +214,13 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
     """Two Tail-Replay prefill servers behind the router's cache_aware prefill policy (smg; sglang-router 0.3.2
     places every prefill at random, see PDRouterProcess). Each document's follow-ups are off-grid forks of its first
     request: they hit only on the prefill server that computed the document (the other never saw it), so every
-    follow-up hitting the whole document means it was sent there. Both servers end up holding documents."""
+    follow-up hitting the whole document means it was sent there. The decode server is stock_d, without a radix
+    cache: the `cached_tokens` it reports are the prefill server's (SGLang relays them; a decode radix cache would
+    add its own reuse). Both prefill servers end up holding documents."""
     for name in ("tr_p", "tr_p2"):
         flush_cache(pd[name].base_url)
     router = PDRouterProcess(prefills=tuple((pd[name].base_url, pd.bootstrap[name]) for name in ("tr_p", "tr_p2")),
-                             decodes=(pd["tr_d"].base_url,)).start()
+                             decodes=(pd["stock_d"].base_url,)).start()
     try:
         router.wait_healthy(120)
         documents = document_clients(clients=4, requests=3, system_words=300, seed=70)
@@ -235,7 +237,6 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
                 meta = ask(f"{prefix}\nQuestion: {question}")
                 # the shared part is the first request's prompt less its question (under 16 tokens)
                 assert meta["cached_tokens"] >= first["prompt_tokens"] - 16, (question, meta, first)
-                assert meta["tail_replay_tokens"] > 0  # an off-grid hit, replayed on that server
     finally:
         router.stop()
     held = {name: wait_idle(pd[name].base_url)["tree_evictable"] for name in ("tr_p", "tr_p2")}
