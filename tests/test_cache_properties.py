@@ -1259,3 +1259,36 @@ def test_a_state_only_on_the_host_tier_is_an_anchor_held_until_the_batch_and_a_s
         staged.release(cache, None, admitted=[])
         assert len(staged) == 0 and data.host_lock_ref == 0
         assert not req.kv.holds_mamba and req_pool.mamba_allocator.available_size() == free_slots
+
+
+# ---- HiCache-only paths, as units (their server tests cannot choose when they run) ----
+
+def test_kv_an_approximate_insert_brings_back_from_the_host_is_tainted(monkeypatch):
+    """An insert over KV that HiCache evicted to the host re-materialises it on the device with the inserter's KV
+    (`_unevict_node_on_insert` -> `recover_after_unevict`): an approximate inserter taints the node."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(MambaComponent, "recover_after_unevict", lambda *args, **kwargs: None)  # SGLang's own part
+    component = object.__new__(TailReplayMambaComponent)
+    for approximate in (False, True):
+        node = SimpleNamespace()
+        component.recover_after_unevict(node, 0, 4, SimpleNamespace(**{TAINT_ATTR: approximate}), None, None)
+        assert getattr(node, TAINT_ATTR, False) is approximate
+
+
+def test_a_replanned_request_lets_go_of_what_its_plan_held():
+    """`StagedAnchors.drop` (a HiCache load-back changed the request's plan before its batch formed): the request's
+    device lock and host pin go; another request's holds stay until the batch."""
+    from types import SimpleNamespace
+
+    pins, locks = Counter(), Counter()
+    host = SimpleNamespace(pin=lambda node: pins.update([node]), unpin=lambda node: pins.subtract([node]))
+    lock = SimpleNamespace(to_dec_params=lambda: None)
+    cache = SimpleNamespace(inc_lock_ref=lambda node_id: locks.update([node_id]) or lock,
+                            dec_lock_ref=lambda node_id, params: locks.subtract([node_id]))
+    staged, req, other = StagedAnchors(), object(), object()
+    staged.hold_host(host, req, "host anchor")
+    staged.hold_device(cache, req, SimpleNamespace(id="device anchor"))
+    staged.hold_host(host, other, "other's anchor")
+    staged.drop(cache, host, req)
+    assert +pins == Counter({"other's anchor": 1}) and +locks == Counter() and len(staged) == 1

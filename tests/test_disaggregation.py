@@ -61,6 +61,31 @@ def test_the_relay_writes_only_sglangs_spare_slots():
     assert disaggregation.decode(Buffers.cached_tokens[1, 7:].tolist()).exact is False
 
 
+@pytest.mark.parametrize("relayed, expected", [
+    (TailReplayReq(exact=False, anchor=None, tokens=64, ms=3.5, state_survival=0.5), False),  # P approximated
+    (TailReplayReq(exact=True, anchor=512, tokens=88, ms=1.0), True),
+    (None, True),  # a stock prefill server's row: no marker, nothing replayed, exact
+])
+def test_the_decode_server_takes_the_label_the_prefill_server_relayed(relayed, expected):
+    """`take_relayed` (after `_commit_transfer_to_req`): the request's state on D is what P wrote into its row, which
+    D streams and its radix cache taints by; a row for another bootstrap room (an aborted transfer) is left alone."""
+    from types import SimpleNamespace
+
+    buffers = SimpleNamespace(cached_tokens=torch.zeros(2, 16, dtype=torch.int32),
+                              bootstrap_room=torch.tensor([[0], [77]]))
+    if relayed is not None:
+        buffers.cached_tokens[1, disaggregation.FIRST_SLOT:disaggregation.FIRST_SLOT + 6] = torch.tensor(
+            disaggregation.encode(relayed), dtype=torch.int32)
+    queue = SimpleNamespace(metadata_buffers=buffers)
+    req = SimpleNamespace(bootstrap_room=77)
+    assert disaggregation.take_relayed(None, "result", queue, SimpleNamespace(req=req, metadata_buffer_index=1)) \
+        == "result"
+    assert req.tail_replay.exact is expected and req.tail_replay.tokens == (relayed.tokens if relayed else 0)
+    stale = SimpleNamespace(bootstrap_room=78)
+    disaggregation.take_relayed(None, None, queue, SimpleNamespace(req=stale, metadata_buffer_index=1))
+    assert not hasattr(stale, "tail_replay")
+
+
 def _config(tiny_qwen35, *flags):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path")

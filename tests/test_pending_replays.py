@@ -108,9 +108,50 @@ RETARGET = TailReplayConfig(enabled=True, exact_budget=100, min_tokens=8, max_to
     (Match(300, 250, exact=True), 200, True, Match(200, None, exact=False, reset=True)),
     # a zero-init tail's slot is cleared already: no reset
     (Match(300, None, exact=False), 200, True, Match(200, None, exact=False)),
+    # the anchor exactly at the new prefix: a fold to it (exact), not the root branch
+    (Match(300, 250, exact=True), 250, True, Match(250, 250, exact=True)),
+    # from the root within the budget, but over KV an approximate request computed
+    (Match(300, 250, exact=True), 90, False, Match(90, 0, exact=False, reset=True)),
 ])
 def test_a_replay_is_retargeted_to_the_prefix_the_request_extends_from(planned, prefix, clean, expected):
     assert retarget(planned, prefix, clean, RETARGET) == expected
+
+
+PAPER = TailReplayConfig(enabled=True, exact_budget=0, min_tokens=8, max_tokens=8)  # no anchors: the zero-init tail
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_a_retargeted_zero_init_tail_covering_its_prefix_is_exact_only_over_clean_kv(clean):
+    """The paper's mode: a tail that covers the whole new prefix rebuilds it exactly, unless the prefix's KV is
+    tainted."""
+    assert retarget(Match(300, None), 6, clean, PAPER) == Match(6, None, exact=clean)
+
+
+@pytest.mark.parametrize("prefix, tainted, expected", [
+    (260, False, Match(260, 250, exact=True)),
+    (260, True, Match(260, 250, exact=False)),
+    (200, False, Match(200, None, exact=False, reset=True)),
+])
+def test_mark_pending_retargets_a_hit_and_relabels_its_request(prefix, tainted, expected):
+    """`lifecycle.mark_pending` (AFTER `ScheduleBatch.prepare_for_extend`) on a request whose final prefix is not the
+    one its match planned: the pending replay is the retargeted one and the request's label (`tail_replay_exact`)
+    follows it, judged by the taint of the node it extends from."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.cache.request import REQ_ATTR, TAINT_ATTR, TailReplayReq
+    from tailreplay_sglang.lifecycle import mark_pending
+
+    root = SimpleNamespace(parent=None)
+    node = SimpleNamespace(parent=root, **{TAINT_ATTR: tainted})
+    req = SimpleNamespace(rid="retargeted", prefix_len=prefix, kv=SimpleNamespace(req_pool_idx=3), last_node=7,
+                          **{REQ_ATTR: TailReplayReq(match=Match(300, 250, exact=True), exact=True)})
+    batch = SimpleNamespace(reqs=[req], tree_cache=SimpleNamespace(
+        tree_core=SimpleNamespace(node_by_id=lambda node_id: node if node_id == 7 else None)))
+    runtime = SimpleNamespace(pending=PendingReplays(), config=RETARGET, interval_anchors=None, family=None)
+    assert mark_pending(runtime, "result", batch) == "result"
+    state = getattr(req, REQ_ATTR)
+    assert state.match is None and state.exact is expected.exact
+    assert runtime.pending.take([3], [prefix]) == [(0, expected, req)]
 
 
 def test_a_retargeted_replay_whose_slot_holds_another_prefixs_state_zeroes_it_first():

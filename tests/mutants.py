@@ -1,0 +1,169 @@
+"""The mutant table of the exactness bookkeeping: each mutant applied to a copy of the plugin, the tests that must
+catch it run against the copy; every mutant must be killed (a test fails).
+
+    .venv/bin/python tests/mutants.py [--only M2 M6 ...] [--out runs/mutants.json]
+
+Not part of `make test` (minutes of pytest runs). The mutants are single-line changes to decisions that make a hit
+exact or keep the pools whole: the 13 of ../shared/notes/tests-audit-2026-12-04.md (M1-M10) and one per further
+decision (taint, relay, hold). Mutants of the cache component that its property tests already apply by monkeypatch
+(`tests/test_cache_properties.py`, BROKEN: taint on insert and split, budget, fold, copy, hold, keep-ends, host
+restore) run there, in `make test`. Each copy is the repository's `tailreplay_sglang/` and `tests/`, imported first
+through PYTHONPATH, so the installed editable package is not touched.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+PROPERTIES = "tests/test_cache_properties.py"
+COPY = "tailreplay_sglang/cache/anchor_copy.py"
+STORE = "tailreplay_sglang/store/hidden_store.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str  # relative to the repository
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("M1", "the hidden store moves rows one at a time (a source overwritten before it is read)",
+           STORE,
+           "            self._write(table, target_slots, self._read(table, source_slots))",
+           "            for t, s in zip(target_slots.tolist(), source_slots.tolist()):\n                self._write("
+           "table, target_slots.new_tensor([t]), self._read(table, source_slots.new_tensor([s])))",
+           ("tests/test_hidden_tier.py",)),
+    Mutant("M1b", "a move carries only the first stored group's rows", STORE,
+           "        for table in (self.token_ids, *self.hiddens):\n            self._write(table, target_slots",
+           "        for table in (self.token_ids, *self.hiddens[:1]):\n            self._write(table, target_slots",
+           ("tests/test_hidden_tier.py",)),
+    Mutant("M2", "a retarget from the root labels tainted KV exact", "tailreplay_sglang/cache/request.py",
+           "return Match(prefix, 0, exact=clean, reset=reset)", "return Match(prefix, 0, exact=True, reset=reset)",
+           ("tests/test_pending_replays.py",)),
+    Mutant("M2b", "a retarget to its anchor's own depth goes to the root branch", "tailreplay_sglang/cache/request.py",
+           "match.anchor <= prefix:", "match.anchor < prefix:", ("tests/test_pending_replays.py",)),
+    Mutant("M2c", "a retargeted zero-init tail ignores the taint", "tailreplay_sglang/cache/request.py",
+           "exact=clean and config.is_exact_fallback(prefix)", "exact=config.is_exact_fallback(prefix)",
+           ("tests/test_pending_replays.py",)),
+    Mutant("M3", "a plugin host anchor is never unpinned", COPY,
+           "            host_anchors.unpin(self.node)", "            pass", (PROPERTIES,)),
+    Mutant("M4", "a node split loses the taint", "tailreplay_sglang/cache/component.py",
+           "        setattr(new_parent, TAINT_ATTR, getattr(child, TAINT_ATTR, False))", "        pass",
+           (PROPERTIES,)),
+    Mutant("M5", "KV an approximate insert re-materialises from the host is not tainted",
+           "tailreplay_sglang/cache/component.py",
+           "            setattr(node, TAINT_ATTR, True)  # the node's KV on the device is now", "            pass  #",
+           (PROPERTIES,)),
+    Mutant("M6", "mark_pending keeps the label of the plan it retargeted", "tailreplay_sglang/lifecycle.py",
+           "                state.exact = match.exact", "                pass", ("tests/test_pending_replays.py",)),
+    Mutant("M7", "unstage keeps the slot of a request matched but not admitted", COPY,
+           "    cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))", "    pass",
+           (PROPERTIES,)),
+    Mutant("M8", "release leaks the device anchor's lock of a request not admitted",
+           COPY,
+           "            if held.lock is not None and held.hicache is None:\n"
+           "                cache.dec_lock_ref(held.node.id, held.lock.to_dec_params())\n            elif is_admitted:",
+           "            if held.lock is not None and held.hicache is None:\n"
+           "                if is_admitted:\n"
+           "                    cache.dec_lock_ref(held.node.id, held.lock.to_dec_params())\n"
+           "            elif is_admitted:",
+           (PROPERTIES,)),
+    Mutant("M9", "the forward's host restore keeps the pin", COPY,
+           "                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)\n"
+           "            held.unhold_host(host_anchors)",
+           "                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)\n"
+           "            if held.hicache is not None:\n                held.unhold_host(host_anchors)",
+           (PROPERTIES,)),
+    Mutant("M10", "a re-planned request's host hold is kept (StagedAnchors.drop)", COPY,
+           "            else:\n                held.unhold_host(host_anchors)\n        self._held = keep",
+           "            else:\n                pass\n        self._held = keep", (PROPERTIES,)),
+    Mutant("taint", "an approximate request's new leaf is not tainted", "tailreplay_sglang/cache/component.py",
+           "            setattr(node, TAINT_ATTR, True)  # the new leaf", "            pass  #", (PROPERTIES,)),
+    Mutant("relay", "the decode server labels every request exact, whatever P relayed",
+           "tailreplay_sglang/disaggregation.py",
+           "setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))",
+           "setattr(req, REQ_ATTR, TailReplayReq(exact=True))", ("tests/test_disaggregation.py",)),
+)
+
+
+def copy_of_the_plugin(into: Path) -> None:
+    for part in ("tailreplay_sglang", "tests"):
+        shutil.copytree(ROOT / part, into / part, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    for name in ("pyproject.toml", "conftest.py"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, into / name)
+
+
+def run(mutant: Mutant) -> dict:
+    """Apply `mutant` to a fresh copy and run its tests there: killed when they fail."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        copy = Path(tmp)
+        copy_of_the_plugin(copy)
+        target = copy / mutant.path
+        text = target.read_text()
+        if text.count(mutant.old) != 1:
+            raise SystemExit(f"{mutant.name}: its line occurs {text.count(mutant.old)} times in {mutant.path}")
+        target.write_text(text.replace(mutant.old, mutant.new))
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        where = subprocess.run([sys.executable, "-c", "import tailreplay_sglang; print(tailreplay_sglang.__file__)"],
+                               cwd=copy, env=env, capture_output=True, text=True).stdout.strip()
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy is not what imports: tailreplay_sglang from {where}")
+        start = time.perf_counter()
+        # the property module's own mutant table (BROKEN) monkeypatches the same code: not a test of this mutant
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not server",
+                               "-k", "not catch_broken", *mutant.tests], cwd=copy, env=env, capture_output=True,
+                              text=True)
+        # 1: a test failed (killed); 0: all passed (survived); anything else (a collection error) is not a verdict
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"{mutant.name}: pytest exited {done.returncode}\n{done.stdout[-3000:]}")
+        return {"name": mutant.name, "what": mutant.what, "tests": list(mutant.tests), "killed": done.returncode == 1,
+                "seconds": round(time.perf_counter() - start, 1), "failing": _failing(done.stdout)}
+
+
+def _failing(stdout: str) -> str:
+    return next((line for line in stdout.splitlines() if line.startswith("FAILED")), "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
+    ap.add_argument("--out", default="runs/mutants.json")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    console, rows = Console(), []
+    for mutant in chosen:
+        rows.append(run(mutant))
+        console.print(f"{mutant.name}: {'killed' if rows[-1]['killed'] else 'SURVIVED'} ({rows[-1]['seconds']} s)")
+    table = Table(title="Mutants of the exactness bookkeeping")
+    for col in ("mutant", "what", "tests", "result", "s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["what"], ", ".join(Path(t).name for t in r["tests"]),
+                      "killed" if r["killed"] else "[red]SURVIVED[/red]", str(r["seconds"]))
+    console.print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "mutants": rows}, indent=1))
+    survived = [r["name"] for r in rows if not r["killed"]]
+    console.print(f"{len(rows) - len(survived)} of {len(rows)} killed" + (f"; survived {survived}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
