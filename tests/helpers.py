@@ -21,6 +21,7 @@ import torch
 from tailreplay_eval.exactness import (EXACT_MEAN_TOL, EXACT_TOL, assert_exact, exact_errors,  # noqa: F401
                                       generate, generate_response, no_cache, scored, scored_from)
 from tailreplay_eval.reference import greedy_generate
+from soak import wait_idle
 from tailreplay_eval.server import ServerProcess, _group_alive, flush_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,8 +150,6 @@ HOLD_KEYS = ("host_anchor_pins", "staged_anchors")
 def holds_left(server: ServerProcess) -> dict:
     """What a Tail-Replay server still holds once idle of what must not outlive a scheduling step (host anchor pins,
     staged anchors: `anchor_copy`); {} for a stock server, a decode server or one a test killed."""
-    from soak import wait_idle
-
     try:
         report = wait_idle(server.base_url, timeout=20)
     except (requests.RequestException, KeyError, IndexError, TypeError, ValueError):

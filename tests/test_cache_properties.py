@@ -395,9 +395,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.live) < REQ_ROWS)
     @rule(data=st.data())
     def admit_request(self, data):
-        self.admit(data, self.next_admission(data))
-
-    def admit(self, data, req) -> None:
+        req = self.next_admission(data)
         tokens = tokens_of(req)
         # Scheduler.get_new_batch_prefill: mamba slots pre-allocated for matches that copy a state (ours copies
         # none, so they all go back), the match itself (cow_mamba on, key capped at input_len - 1).
