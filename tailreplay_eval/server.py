@@ -16,6 +16,8 @@ from pathlib import Path
 
 import requests
 
+from tailreplay_eval.preforked import ForkedProcess, Preforker  # noqa: F401 (annotations)
+
 # What serves a hybrid GDN model on a CPU without sgl-kernel's CPU build (docs/cpu.md explains each flag).
 BASE_FLAGS = (
     "--device", "cpu",
@@ -97,7 +99,9 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     gpu_scheduling: bool = False  # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer
     on_gpu: bool = False  # a CUDA server with SGLang's defaults (GPU_FLAGS) instead of the CPU route
-    proc: subprocess.Popen | None = None
+    # forked from a process that imported SGLang already (tests: preforked.py) instead of a new interpreter
+    preforker: "Preforker | None" = None
+    proc: "subprocess.Popen | ForkedProcess | None" = None
 
     @property
     def base_url(self) -> str:
@@ -115,8 +119,11 @@ class ServerProcess:
         return cmd + list(self.extra_args)
 
     def start(self) -> "ServerProcess":
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         env = {**os.environ, **({} if self.on_gpu else CPU_ENV), **self.env}
+        if self.preforker is not None and not self.on_gpu:
+            self.proc = self.preforker.launch(self.command()[3:], env, self.log_path)  # argv after `-m module`
+            return self
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), env=env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self

@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import EXACT_FLAGS, MODELS_DIR, ServerRegistry, Spec
+from helpers import EXACT_FLAGS, MODELS_DIR, Preforking, ServerRegistry, Spec
 from tailreplay_eval.models import build_model
+from tailreplay_eval.preforked import Preforker
 from tailreplay_eval.reference import load_hf_model
+from tailreplay_eval.server import CPU_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +104,21 @@ _REGISTRY = pytest.StashKey[ServerRegistry]()
 _LAST_USERS = pytest.StashKey[dict]()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preforker(tmp_path_factory, pytestconfig):
+    """Test servers are forked from one process that imported SGLang once (started by the first server that needs
+    it), unless `--spawn-servers` asks for new interpreters, as `python -m sglang.launch_server` runs for a user."""
+    if pytestconfig.getoption("--spawn-servers"):
+        yield None
+        return
+    Preforking.preforker = Preforker(tmp_path_factory.mktemp("preforker"), CPU_ENV)
+    try:
+        yield Preforking.preforker
+    finally:
+        Preforking.preforker.close()
+        Preforking.preforker = None
+
+
 @pytest.fixture(scope="session")
 def server_registry(tmp_path_factory, pytestconfig):
     registry = ServerRegistry(tmp_path_factory)
@@ -157,6 +174,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_addoption(parser):
+    parser.addoption("--spawn-servers", action="store_true",
+                     help="start every test server as a new `python -m sglang.launch_server` (as users run it) "
+                          "instead of forking it from the preforker (tailreplay_eval/preforked.py)")
     parser.addoption("--soak-requests", type=int, default=150,
                      help="requests in tests/test_reliability.py::test_soak (CI: 150; long run: 2000)")
     parser.addoption("--soak-check-limit", type=int, default=None,

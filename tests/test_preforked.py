@@ -1,0 +1,82 @@
+"""The preforker the test servers are forked from (tailreplay_eval/preforked.py): a forked child starts from what a
+spawned one starts from (no plugin patch, hook or registry entry of its parent), and a server that fails to start
+reports its exit code and its error as a spawned one does."""
+
+import sys
+import types
+from collections import defaultdict
+
+import pytest
+
+from helpers import Preforking
+from tailreplay_eval.preforked import PluginEffects
+from tailreplay_eval.server import ServerProcess
+
+
+class Base:
+    def inherited(self):
+        return "inherited"
+
+
+class Target(Base):
+    def own(self):
+        return "own"
+
+
+def function():
+    return "function"
+
+
+@pytest.fixture
+def fake_targets(monkeypatch):
+    """A module with a function and a class (one method its own, one inherited), a second module that imported the
+    function by name, and an empty HookRegistry; SGLang's registry functions restored after the test."""
+    from sglang.srt.plugins import hook_registry
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    target = types.ModuleType("tr_fake_target")
+    target.function, target.Target = function, Target
+    importer = types.ModuleType("tr_fake_importer")
+    importer.function = function
+    monkeypatch.setitem(sys.modules, target.__name__, target)
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.setattr(HookRegistry, "_apply_target", HookRegistry.__dict__["_apply_target"])
+    monkeypatch.setattr(hook_registry, "_propagate_patch", hook_registry._propagate_patch)
+    return target, importer
+
+
+def test_a_forked_child_takes_back_every_patch_hook_and_registration_of_its_parent(fake_targets):
+    import sglang.srt.plugins
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    target, importer = fake_targets
+    effects = PluginEffects()  # in the launcher, before its plugins load
+    for name in ("function", "Target.own", "Target.inherited"):
+        HookRegistry.register(f"tr_fake_target.{name}", lambda result, *a, **k: f"patched {result}", HookType.AFTER)
+    HookRegistry.apply_hooks()
+    registry.register_radix_cache_backend("tr_fake_backend", lambda ctx: None)
+    assert (target.function(), importer.function()) == ("patched function", "patched function")
+    assert (Target().own(), Target().inherited()) == ("patched own", "patched inherited")
+
+    effects.undo()  # what each forked child runs first
+    assert target.function is importer.function is function
+    assert (Target().own(), Target().inherited()) == ("own", "inherited")
+    assert "inherited" not in Target.__dict__
+    assert registry.get_radix_cache_factory("tr_fake_backend") is None
+    assert not HookRegistry._hooks and not HookRegistry._patched
+    assert sglang.srt.plugins._plugins_loaded is False
+
+
+@pytest.mark.server
+def test_a_forked_server_that_fails_to_start_reports_its_code_and_error(tmp_path, tiny_qwen35):
+    if Preforking.preforker is None:
+        pytest.skip("--spawn-servers: no preforker")
+    server = ServerProcess(str(tiny_qwen35), ("--tail-replay-ratio", "2"), log_path=tmp_path / "server.log",
+                           preforker=Preforking.preforker).start()
+    with pytest.raises(RuntimeError, match="server exited with code 2 during start-up") as failure:
+        server.wait_healthy(timeout=120)
+    assert "--tail-replay-ratio requires --enable-tail-replay" in str(failure.value)  # argparse, as spawned
+    server.stop()
