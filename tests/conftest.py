@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import EXACT_FLAGS, MODELS_DIR, Preforking, ServerRegistry, Spec
+from helpers import EXACT_FLAGS, MODELS_DIR, Preforking, RunningTest, ServerRegistry, Spec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.preforked import Preforker
 from tailreplay_eval.reference import load_hf_model
@@ -159,6 +159,15 @@ def pytest_collection_modifyitems(config, items):
     for name, nodeid in last.items():
         users.setdefault(nodeid, []).append(name)
     config.stash[_LAST_USERS] = users
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    RunningTest.item = item
+    try:
+        return (yield)
+    finally:
+        RunningTest.item = None
 
 
 @pytest.hookimpl(wrapper=True)

@@ -127,14 +127,28 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
 
 class Preforking:
     """The session's preforker (conftest.py sets it; None with `pytest --spawn-servers`): the servers `launch`
-    starts are forked from it (tailreplay_eval/preforked.py says what that changes), up in ~8 s instead of ~26."""
+    starts are forked from it (tailreplay_eval/preforked.py says what that changes), up in ~6 s instead of ~26."""
 
     preforker = None
+
+
+class RunningTest:
+    """The test pytest is running (conftest.py's `pytest_runtest_protocol`): a server start checks that it carries
+    the `server` mark, so that `make test-fast` (-m "not server") provably starts none."""
+
+    item = None
+
+    @classmethod
+    def check_marked(cls) -> None:
+        item = cls.item
+        assert item is None or item.get_closest_marker("server"), \
+            f"{item.nodeid} starts a server (or a fixture it uses does) without the `server` mark"
 
 
 def launch(tmp_path_factory, specs: dict[str, Spec], servers: dict | None = None) -> dict[str, ServerProcess]:
     """Start the servers of `specs` at once and wait until all are healthy: {name: running server}, filled into
     `servers` as they start (so a caller's `finally` can stop them); a start that fails stops them all."""
+    RunningTest.check_marked()
     servers = {} if servers is None else servers
     try:
         for name, spec in specs.items():

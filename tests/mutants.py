@@ -5,10 +5,10 @@ catch it run against the copy; every mutant must be killed (a test fails).
 
 Not part of `make test` (minutes of pytest runs). The mutants are single-line changes to decisions that make a hit
 exact or keep the pools whole: the 13 of ../shared/notes/tests-audit-2026-12-04.md (M1-M10) and one per further
-decision (taint, relay, hold). Mutants of the cache component that its property tests already apply by monkeypatch
-(`tests/test_cache_properties.py`, BROKEN: taint on insert and split, budget, fold, copy, hold, keep-ends, host
-restore) run there, in `make test`. Each copy is the repository's `tailreplay_sglang/` and `tests/`, imported first
-through PYTHONPATH, so the installed editable package is not touched.
+decision (taint, relay, hold; the HiCache anchor backup, whose test starts servers). Mutants of the cache component
+that its property tests already apply by monkeypatch (`tests/test_cache_properties.py`, BROKEN: taint on insert and
+split, budget, fold, copy, hold, keep-ends, host restore) run there, in `make test`. Each copy is the repository's
+`tailreplay_sglang/` and `tests/`, imported first through PYTHONPATH, so the installed editable package is not touched.
 """
 
 import argparse
@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROPERTIES = "tests/test_cache_properties.py"
 COPY = "tailreplay_sglang/cache/anchor_copy.py"
 STORE = "tailreplay_sglang/store/hidden_store.py"
+HICACHE_HOST_HITS = "tests/test_hicache_tail_replay.py::test_host_hits_are_exact_at_any_token_boundary"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Mutant:
     old: str  # must occur exactly once
     new: str
     tests: tuple[str, ...]
+    server: bool = False  # its tests start servers (which import the copy too: PYTHONPATH reaches them)
 
 
 MUTANTS = (
@@ -98,6 +100,10 @@ MUTANTS = (
            "tailreplay_sglang/disaggregation.py",
            "setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))",
            "setattr(req, REQ_ATTR, TailReplayReq(exact=True))", ("tests/test_disaggregation.py",)),
+    Mutant("backup", "an anchor leaving the device under HiCache is never copied to its host pool by the plugin",
+           "tailreplay_sglang/cache/component.py", "                self._backup_state_to_hicache(node)",
+           "                pass", (HICACHE_HOST_HITS,),
+           server=True),
 )
 
 
@@ -126,7 +132,8 @@ def run(mutant: Mutant) -> dict:
             raise SystemExit(f"the copy is not what imports: tailreplay_sglang from {where}")
         start = time.perf_counter()
         # the property module's own mutant table (BROKEN) monkeypatches the same code: not a test of this mutant
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not server",
+        marks = "server" if mutant.server else "not server"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marks,
                                "-k", "not catch_broken", *mutant.tests], cwd=copy, env=env, capture_output=True,
                               text=True)
         # 1: a test failed (killed); 0: all passed (survived); anything else (a collection error) is not a verdict

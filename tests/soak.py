@@ -147,7 +147,7 @@ class _Client:
             return
         self.traffic.record(ids, out["output_ids"])
         self._note(completed=Completed(tuple(ids), max_new, out["output_ids"], meta["cached_tokens"],
-                                       meta.get("tail_replay_tokens", 0), meta.get("tail_replay_exact", True)))
+                                       meta["tail_replay_tokens"], meta["tail_replay_exact"]))  # a TR server's
 
     def _abort_by_hanging_up(self, ids, rng) -> None:
         with requests.post(f"{self.url}/generate", json=_body(ids, 64, stream=True), stream=True,

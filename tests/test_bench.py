@@ -18,8 +18,6 @@ profile_load = load_bench("profile_load")
 ttft = load_bench("ttft")
 workloads = load_bench("workloads")
 
-pytestmark = pytest.mark.server
-
 TR = "Tail-Replay r=0.05"
 
 
@@ -33,6 +31,7 @@ def urls(stock_qwen35_server, anchored_qwen35_server):
     return [arg for label, p in servers.items() for arg in ("--url", f"{label}={p.base_url}")]
 
 
+@pytest.mark.server
 def test_ttft_full_prefill_misses_and_tail_replay_hits_the_whole_prefix(urls, tiny_qwen35, tmp_path):
     out = tmp_path / "ttft.json"
     # No --model-path: the script asks the first server what it serves.
@@ -270,6 +269,7 @@ def test_pareto_missing_key_is_a_clear_error(tmp_path):
         pareto.points({"model": "quality-qwen35", "modes": [{"mode": "full"}]})
 
 
+@pytest.mark.server
 def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, tmp_path):
     out = tmp_path / "workloads.json"
     shapes = ["shared system prompt, q=40", "identical resend", "concurrent on one prefix"]
@@ -287,6 +287,7 @@ def test_workloads_tail_replay_caches_every_matchable_token(urls, tiny_qwen35, t
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.server
 def test_load_bench_serving_runs_report_hits_replays_and_latency(urls, tiny_qwen35, tmp_path):
     """bench/load.py's unit of work (tailreplay_eval/bench_serving.py), SGLang's own bench_serving from a flushed
     cache, against the stock and Tail-Replay servers: the shared-prefix dataset hits only on Tail-Replay (stock keeps

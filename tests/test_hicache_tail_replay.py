@@ -63,6 +63,7 @@ def test_host_hits_are_exact_at_any_token_boundary(servers, name):
     started from states in HiCache's host mamba pool."""
     srv = servers[name]
     flush_cache(srv.base_url)
+    backups = pools(srv.base_url)["hicache_anchor_backups"]
     context = random_ids(CONTEXT, seed=71 + SERVERS.index(name))  # its own: tr_gpu_a and b share their L3
     generate(srv, context, 1)
     hits = []
@@ -74,6 +75,12 @@ def test_host_hits_are_exact_at_any_token_boundary(servers, name):
         assert hit["meta"]["cached_tokens_details"]["host"] == hit["meta"]["cached_tokens"] > 0
         hits.append((cut, prompt, hit))
     assert pools(srv.base_url)["hicache_anchor_hits"] > 0
+    # The 555 hit starts from the interval anchor at 512. Under write-through that anchor reaches the host only
+    # through the plugin's own copy (`_backup_state_to_hicache`): SGLang backs up no state for a node whose
+    # write-through was still in flight. Under write_back SGLang copies node and state to the host when it evicts.
+    assert hits[0][2]["meta"]["tail_replay_anchor"] == 512
+    backed_up = pools(srv.base_url)["hicache_anchor_backups"] - backups
+    assert backed_up > 0 if name != "tr_gpu_b" else backed_up == 0, backed_up
     for cut, prompt, hit in hits:  # references last: a flush empties the host tier too
         assert_exact(hit, no_cache(srv, prompt, cut, extra_key=f"no-cache {name} {cut}"))
 

@@ -6,11 +6,9 @@ pre-norm GDN layers, norm weights drawn around 1 (so a norm applied in the wrong
 
 import pytest
 
-from helpers import Spec, check_concurrent_hits, check_multi_turn, generate, start_servers
+from helpers import Spec, assert_anchored_hit, check_concurrent_hits, check_multi_turn, generate, start_servers
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 from tailreplay_eval.server import flush_cache
-
-pytestmark = pytest.mark.server
 
 NEW = 12
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
@@ -59,6 +57,7 @@ def test_hf_reference_uses_negative_eigenvalues(hf_olmo_hybrid):
     assert model.model.layers[0].linear_attn.allow_neg_eigval
 
 
+@pytest.mark.server
 def test_fresh_prompt_matches_hf_greedy(cold, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
     flush_cache(cold.base_url)
@@ -68,6 +67,7 @@ def test_fresh_prompt_matches_hf_greedy(cold, hf_olmo_hybrid):
     assert out["output_ids"] == greedy_generate(model, ids, NEW)
 
 
+@pytest.mark.server
 def test_hit_from_a_kept_state_matches_hf_greedy(servers, hf_olmo_hybrid):
     """What a stock (no_buffer) hit is: the state kept where the first request's prefill ended, read back from the
     mamba pool, nothing replayed, and the extend after it; here on the anchored server (its chunk-end anchor)."""
@@ -84,6 +84,7 @@ def test_hit_from_a_kept_state_matches_hf_greedy(servers, hf_olmo_hybrid):
     assert out["output_ids"] == greedy_generate(model, extended, NEW)
 
 
+@pytest.mark.server
 def test_prompt_logprobs_match_hf(cold, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
     flush_cache(cold.base_url)
@@ -109,6 +110,7 @@ def _hit(server, model, ids, cached):
     return out
 
 
+@pytest.mark.server
 def test_tail_replay_full_identical_resend_equals_no_cache(exact, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
     flush_cache(exact.base_url)
@@ -117,6 +119,7 @@ def test_tail_replay_full_identical_resend_equals_no_cache(exact, hf_olmo_hybrid
     _hit(exact, model, ids, len(ids) - 1)  # SGLang caps a match at input_len - 1
 
 
+@pytest.mark.server
 def test_tail_replay_full_shared_prefix_fork_and_edit_equal_no_cache(exact, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
     system = tok(SYSTEM + " and the harbour").input_ids
@@ -126,12 +129,14 @@ def test_tail_replay_full_shared_prefix_fork_and_edit_equal_no_cache(exact, hf_o
     _hit(exact, model, system[:29] + [(system[29] + 1) % 500] + system[30:], 29)  # edit in the middle
 
 
+@pytest.mark.server
 def test_tail_replay_full_multi_turn_through_the_answer(exact, hf_olmo_hybrid):
     """The second turn matches through turn one's generated tokens: decode-time capture of the group inputs."""
     model, tok = hf_olmo_hybrid
     check_multi_turn(exact, model, tok, SYSTEM + " first question for the multi turn chat?", NEW)
 
 
+@pytest.mark.server
 def test_tail_replay_full_long_prompt_through_chunked_prefill(exact, hf_olmo_hybrid):
     """A 600-token prefix (128-token prefill chunks) hit with a 150-token suffix: both prefills are chunked.
     Greedy tokens, as tests/test_tail_replay.py asks of Qwen3.5 here: SGLang keeps conv states in bfloat16 by
@@ -145,6 +150,7 @@ def test_tail_replay_full_long_prompt_through_chunked_prefill(exact, hf_olmo_hyb
     _hit(exact, model, prefix + [rng.randrange(3, 500) for _ in range(150)], len(prefix))
 
 
+@pytest.mark.server
 def test_tail_replay_eight_concurrent_hits_on_one_prefix(exact, hf_olmo_hybrid):
     model, tok = hf_olmo_hybrid
     system = tok(SYSTEM + " eight readers").input_ids
@@ -159,6 +165,7 @@ def _suffix_logprob_error(server, model, ids, start) -> float:
     return max_logprob_error(out, model, ids, start)
 
 
+@pytest.mark.server
 def test_tail_replay_error_ordering_zero_above_ratio_above_full(exact, servers, hf_olmo_hybrid):
     """error(zero states) > error(r = 0.1) > error(r = 1) ~ 0 on the suffix after a 560-token hit."""
     import random
@@ -173,6 +180,7 @@ def test_tail_replay_error_ordering_zero_above_ratio_above_full(exact, servers, 
     assert errors["full"] < LOGPROB_TOL, errors
 
 
+@pytest.mark.server
 def test_default_anchored_tail_replay_is_exact(servers, hf_olmo_hybrid):
     """`--enable-tail-replay` alone: interval anchors every 512 tokens, cut by the CPU prefill ops. A hit 100
     tokens past the interval anchor at 512 replays [512, 612) from a copy of it (with beta = 2 sigmoid(b)) and is
@@ -191,4 +199,5 @@ def test_default_anchored_tail_replay_is_exact(servers, hf_olmo_hybrid):
     assert out["meta_info"]["tail_replay_tokens"] == 100
     assert out["output_ids"] == greedy_generate(model, fork, NEW)
     again = generate(srv, fork, NEW)
+    assert_anchored_hit(again["meta_info"], len(fork) - 1)  # the fork's end is 19 tokens past its anchor at 612
     assert again["meta_info"]["tail_replay_exact"] and again["output_ids"] == out["output_ids"]

@@ -15,8 +15,6 @@ from helpers import FOLD, MODELS_DIR, load_bench, start_server
 
 quality = load_bench("quality")
 
-pytestmark = pytest.mark.server
-
 # 512: every context of both models' tokenizers is at least 511 tokens here, so new_question's match (the context
 # and the "\nQuestion:" tokens both questions open with) passes the interval anchor at 512, within the budget.
 LENGTH, SAMPLES, TURNS = 512, 2, 3
@@ -72,6 +70,7 @@ def _summary(result):
     return {(s["mode"], s["protocol"]): s for s in result["modes"]}
 
 
+@pytest.mark.server
 def test_hit_modes_hit_the_planned_match_and_replay_the_planned_tail(runs):
     for result, mode in ((runs["url"], "anchored"), (runs["own"], "r0.05"), (runs["own"], "full")):
         for protocol in quality.PROTOCOLS:
@@ -99,6 +98,7 @@ def test_hit_modes_hit_the_planned_match_and_replay_the_planned_tail(runs):
             assert len(off) == ITEMS and all(r["cached_tokens"] == 0 and r["cache_ok"] for r in off)
 
 
+@pytest.mark.server
 def test_anchored_replay_is_exact_where_an_anchor_is_within_the_budget(runs):
     """context_first: the match ends where the context's request ended, at an anchor. new_question: it ends a few
     tokens into question A; the RULER contexts (>= 511 tokens) reach the interval anchor at 512, the LongBench toy
@@ -128,6 +128,7 @@ def test_anchored_replay_is_exact_where_an_anchor_is_within_the_budget(runs):
         assert summary[("cache_off", protocol)]["exact_share"] is None  # no hits
 
 
+@pytest.mark.server
 def test_exact_replay_answers_exactly_as_cache_off(runs):
     """full replay everywhere, anchored replay where it is exact: the outputs of cache_off, the same first-token
     distribution up to float rounding."""
@@ -159,6 +160,7 @@ def test_exact_replay_answers_exactly_as_cache_off(runs):
     assert r005["cache_ok"] == TURNS and r005["exact_share"] == 0.0 and r005["replayed_mean"] == MIN_TOKENS
 
 
+@pytest.mark.server
 def test_the_committed_model_answers_its_needles_through_the_server(runs, model):
     """The trained model answers niah_multikey at 512 tokens under full prefill (1.0 at 1024 in docs/quality.md); a
     served model that lost its context, e.g. a RoPE read differently by SGLang than by transformers, would not."""
@@ -170,6 +172,7 @@ def test_the_committed_model_answers_its_needles_through_the_server(runs, model)
         assert len(scores) == SAMPLES and sum(scores) / SAMPLES >= 0.5, scores
 
 
+@pytest.mark.server
 def test_flushed_tail_replay_server_prefills_as_stock(runs):
     """cache_off on the --url server (flush, then a full prefill with capture and anchors) equals stock without a
     radix cache."""
@@ -179,6 +182,7 @@ def test_flushed_tail_replay_server_prefills_as_stock(runs):
         assert all(url[k]["output_ids"] == own[k]["output_ids"] for k in url)
 
 
+@pytest.mark.server
 def test_json_and_markdown_hold_every_row(runs):
     for name, result in runs.items():
         out = Path(result["config"]["out"])

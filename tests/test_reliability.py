@@ -143,7 +143,7 @@ def test_abort_while_the_replay_runs(server, events):
     events.wait_held("abort-in-replay")  # its replay pass ran and is held: the abort arrives during it
     out = abort_until_done(server, "abort-in-replay", hit)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(out["output_ids"]) < 40
+    assert len(out["output_ids"]) <= 2  # handled right after the held forward: no decode ran past it
     # the aborted request's slots went back, and the same prompt now serves what no cache serves
     again = generate(server, prefix + [7, 8, 9], max_new_tokens=12)
     assert again["meta_info"]["cached_tokens"] > 0
@@ -221,7 +221,7 @@ def test_soak(server, request):
           f"{report.flush_calls} flush calls ({report.flushes_done} done), "
           f"{p['evicted_tokens'] - evicted_before} tokens evicted")
     assert report.errors == []
-    assert report.hits > 0 and report.aborted > 0 and report.rejected_bad_id > 0
+    assert report.hits > 0 and report.replayed_tokens > 0 and report.aborted > 0 and report.rejected_bad_id > 0
     assert p["evicted_tokens"] > evicted_before
     assert pool_leaks(p) == []
     start, limit = time.monotonic(), request.config.getoption("--soak-check-limit")
