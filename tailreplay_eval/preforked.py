@@ -10,8 +10,8 @@ environment, argv and log, starts its own session (stopped by process group, as 
 
 What differs from a user's `launch_server`: the start method, and that modules are imported before the server's
 environment is set (SGLang reads its `SGLANG_*` variables when used, and the one read at import,
-SGLANG_USE_CPU_ENGINE, is the same for every CPU server: `CPU_ENV`). Start-up failures, GPU servers and the bench
-scripts keep the spawned launcher; `pytest --spawn-servers` runs every test server that way.
+SGLANG_USE_CPU_ENGINE, is the same for every CPU server: `CPU_ENV`). GPU servers, routers and `spawn=True` servers
+keep the spawned launcher, as does everything outside the tests; `pytest --spawn-servers` spawns every test server.
 """
 
 import json
@@ -65,7 +65,10 @@ class ForkedProcess:
 
 
 class Preforker:
-    """The client: starts the preforker process on first use and asks it for servers."""
+    """The client: starts the preforker process on first use and asks it for servers. `default`: the one every
+    `ServerProcess` that names none and is not `spawn` uses (the test session's; None elsewhere)."""
+
+    default: "Preforker | None" = None
 
     def __init__(self, folder: Path, env: dict[str, str]):
         self.socket_path = Path(folder) / "preforker.sock"

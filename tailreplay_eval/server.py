@@ -99,8 +99,10 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     gpu_scheduling: bool = False  # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer
     on_gpu: bool = False  # a CUDA server with SGLang's defaults (GPU_FLAGS) instead of the CPU route
-    # forked from a process that imported SGLang already (tests: preforked.py) instead of a new interpreter
+    # forked from a process that imported SGLang already (preforked.py; default: `Preforker.default`, which the
+    # tests set) instead of a new interpreter; `spawn` always starts a new one, as `launch_server` runs for a user
     preforker: "Preforker | None" = None
+    spawn: bool = False
     proc: "subprocess.Popen | ForkedProcess | None" = None
 
     @property
@@ -120,8 +122,9 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         env = {**os.environ, **({} if self.on_gpu else CPU_ENV), **self.env}
-        if self.preforker is not None and not self.on_gpu:
-            self.proc = self.preforker.launch(self.command()[3:], env, self.log_path)  # argv after `-m module`
+        preforker = None if self.spawn or self.on_gpu else self.preforker or Preforker.default
+        if preforker is not None:
+            self.proc = preforker.launch(self.command()[3:], env, self.log_path)  # argv after `-m module`
             return self
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), env=env, stdout=log,
@@ -218,6 +221,7 @@ class RouterProcess(ServerProcess):
     model_path: str = ""
     worker_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"
+    spawn: bool = True  # not an SGLang server: never forked from the preforker
 
     prometheus_port: int = field(default_factory=free_port)  # the router's default (29000) would clash between two
 
@@ -260,6 +264,7 @@ class PDRouterProcess(ServerProcess):
     only input_ids are load-balanced."""
 
     model_path: str = ""
+    spawn: bool = True  # not an SGLang server: never forked from the preforker
     prefills: tuple[tuple[str, int], ...] = ()  # (url, bootstrap port)
     decodes: tuple[str, ...] = ()
     prefill_policy: str = "cache_aware"

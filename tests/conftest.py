@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import EXACT_FLAGS, MODELS_DIR, Preforking, RunningTest, ServerRegistry, Spec
+from helpers import EXACT_FLAGS, MODELS_DIR, RunningTest, ServerRegistry, Spec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.preforked import Preforker
 from tailreplay_eval.reference import load_hf_model
@@ -99,6 +99,9 @@ def hf_olmo_hybrid(tiny_olmo_hybrid):
 STOCK_FLAGS = ("--dtype", "float32", "--enable-metrics")
 ANCHORED_FLAGS = ("--dtype", "float32", "--enable-tail-replay", "--enable-metrics")  # the plugin's defaults
 BIG_POOL = {"max_total_tokens": 8192, "context_length": 4096}
+# One shared server is spawned as users run it (a new interpreter, SGLang's `spawn` start method), not preforked:
+# test_tail_replay, test_python_api and test_router judge Tail-Replay's exactness on the spawned path too.
+SPAWNED = {"spawn": True}
 SHARED_SERVERS = ("exact_tail_replay_server", "stock_qwen35_server", "anchored_qwen35_server")
 _REGISTRY = pytest.StashKey[ServerRegistry]()
 _LAST_USERS = pytest.StashKey[dict]()
@@ -106,17 +109,18 @@ _LAST_USERS = pytest.StashKey[dict]()
 
 @pytest.fixture(scope="session", autouse=True)
 def preforker(tmp_path_factory, pytestconfig):
-    """Test servers are forked from one process that imported SGLang once (started by the first server that needs
-    it), unless `--spawn-servers` asks for new interpreters, as `python -m sglang.launch_server` runs for a user."""
+    """Test servers (every `ServerProcess` of the session, the bench scripts' included) are forked from one process
+    that imported SGLang once (started by the first server that needs it), unless `--spawn-servers` asks for new
+    interpreters, as `python -m sglang.launch_server` runs for a user."""
     if pytestconfig.getoption("--spawn-servers"):
         yield None
         return
-    Preforking.preforker = Preforker(tmp_path_factory.mktemp("preforker"), CPU_ENV)
+    Preforker.default = Preforker(tmp_path_factory.mktemp("preforker"), CPU_ENV)
     try:
-        yield Preforking.preforker
+        yield Preforker.default
     finally:
-        Preforking.preforker.close()
-        Preforking.preforker = None
+        Preforker.default.close()
+        Preforker.default = None
 
 
 @pytest.fixture(scope="session")
@@ -129,9 +133,9 @@ def server_registry(tmp_path_factory, pytestconfig):
 
 @pytest.fixture(scope="module")
 def exact_tail_replay_server(server_registry, tiny_qwen35):
-    """Tail-Replay in the paper's mode replaying whole prefixes (EXACT_FLAGS) on tiny Qwen3.5: test_python_api.py,
-    test_router.py (a worker) and test_tail_replay.py."""
-    yield from server_registry.serve("exact_tail_replay_server", Spec(tiny_qwen35, EXACT_FLAGS))
+    """Tail-Replay in the paper's mode replaying whole prefixes (EXACT_FLAGS) on tiny Qwen3.5, spawned (SPAWNED):
+    test_python_api.py, test_router.py (a worker) and test_tail_replay.py."""
+    yield from server_registry.serve("exact_tail_replay_server", Spec(tiny_qwen35, EXACT_FLAGS, kwargs=SPAWNED))
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +190,7 @@ def pytest_addoption(parser):
     parser.addoption("--spawn-servers", action="store_true",
                      help="start every test server as a new `python -m sglang.launch_server` (as users run it) "
                           "instead of forking it from the preforker (tailreplay_eval/preforked.py)")
-    parser.addoption("--soak-requests", type=int, default=150,
-                     help="requests in tests/test_reliability.py::test_soak (CI: 150; long run: 2000)")
+    parser.addoption("--soak-requests", type=int, default=100,
+                     help="requests in tests/test_reliability.py::test_soak (CI: 100; long run: 2000)")
     parser.addoption("--soak-check-limit", type=int, default=None,
                      help="re-serve at most this many distinct soak prompts without cache (default: all)")

@@ -125,13 +125,6 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
         stop_all(servers)
 
 
-class Preforking:
-    """The session's preforker (conftest.py sets it; None with `pytest --spawn-servers`): the servers `launch`
-    starts are forked from it (tailreplay_eval/preforked.py says what that changes), up in ~6 s instead of ~26."""
-
-    preforker = None
-
-
 class RunningTest:
     """The test pytest is running (conftest.py's `pytest_runtest_protocol`): a server start checks that it carries
     the `server` mark, so that `make test-fast` (-m "not server") provably starts none."""
@@ -156,7 +149,7 @@ def launch(tmp_path_factory, specs: dict[str, Spec], servers: dict | None = None
             # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises
             env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(spec.env or {})}
             servers[name] = ServerProcess(str(spec.model_path), tuple(spec.args), log_path=log, env=env,
-                                          preforker=Preforking.preforker, **spec.kwargs).start()
+                                          **spec.kwargs).start()
         for server in servers.values():
             server.wait_healthy()
     except BaseException:

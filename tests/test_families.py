@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import FAULT_PLUGIN_DIR, Preforking
+from helpers import FAULT_PLUGIN_DIR
 from tailreplay_eval.server import ServerProcess
 from tailreplay_sglang.families import MODULES, FamilyBindError, family_for
 from tailreplay_sglang.layout import FULL, GDN, KDA, LINEAR, MAMBA2, HybridLayout
@@ -39,8 +39,7 @@ def test_a_model_internal_the_replay_needs_missing_stops_the_server_at_start_up(
     at the first hit."""
     env = {"PYTHONPATH": str(FAULT_PLUGIN_DIR),
            "TAILREPLAY_FAULT_DROP_MODEL_ATTR": "linear_attn.fix_query_key_value_ordering"}
-    server = ServerProcess(str(tiny_qwen35), ("--enable-tail-replay",), log_path=tmp_path / "server.log", env=env,
-                           preforker=Preforking.preforker)
+    server = ServerProcess(str(tiny_qwen35), ("--enable-tail-replay",), log_path=tmp_path / "server.log", env=env)
     try:
         with pytest.raises(RuntimeError, match="during start-up"):
             server.start().wait_healthy(timeout=240)

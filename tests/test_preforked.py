@@ -8,8 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import Preforking
-from tailreplay_eval.preforked import PluginEffects
+from tailreplay_eval.preforked import ForkedProcess, PluginEffects, Preforker
 from tailreplay_eval.server import ServerProcess
 
 
@@ -72,10 +71,10 @@ def test_a_forked_child_takes_back_every_patch_hook_and_registration_of_its_pare
 
 @pytest.mark.server
 def test_a_forked_server_that_fails_to_start_reports_its_code_and_error(tmp_path, tiny_qwen35):
-    if Preforking.preforker is None:
+    if Preforker.default is None:
         pytest.skip("--spawn-servers: no preforker")
-    server = ServerProcess(str(tiny_qwen35), ("--tail-replay-ratio", "2"), log_path=tmp_path / "server.log",
-                           preforker=Preforking.preforker).start()
+    server = ServerProcess(str(tiny_qwen35), ("--tail-replay-ratio", "2"), log_path=tmp_path / "server.log").start()
+    assert isinstance(server.proc, ForkedProcess)
     with pytest.raises(RuntimeError, match="server exited with code 2 during start-up") as failure:
         server.wait_healthy(timeout=120)
     assert "--tail-replay-ratio requires --enable-tail-replay" in str(failure.value)  # argparse, as spawned
