@@ -1,4 +1,4 @@
-"""SGLang servers forked from one process that has imported SGLang once: a test server is up in ~8 s instead of ~26.
+"""SGLang servers forked from one process that has imported SGLang once: a test server is up in ~6 s instead of ~26.
 
 A `python -m sglang.launch_server` start on this CPU costs ~26 s of wall time and ~36 s of CPU, nearly all of it the
 same Python imports done three times (launcher, scheduler, detokenizer; transformers, torch._inductor, every SGLang
@@ -83,22 +83,19 @@ class Preforker:
         conn.connect(str(self.socket_path))
         request = {"argv": argv, "env": env, "log": str(log_path) if log_path else os.devnull}
         conn.sendall(json.dumps(request).encode() + b"\n")
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = conn.recv(4096)
-            if not chunk:
-                raise RuntimeError(f"the preforker closed the connection{self._log_tail()}")
-            reply += chunk
-        return ForkedProcess(json.loads(reply)["pid"], conn)
+        try:
+            return ForkedProcess(_read_message(conn)["pid"], conn)
+        except ConnectionError as lost:
+            raise RuntimeError(f"{lost}{self._log_tail()}") from None
 
     def _ensure_running(self, timeout: float = 180.0) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
         self.socket_path.unlink(missing_ok=True)
-        log = open(self.log_path, "w")
-        self._proc = subprocess.Popen([sys.executable, "-m", "tailreplay_eval.preforked", str(self.socket_path)],
-                                      env={**os.environ, **self._env}, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self._proc = subprocess.Popen([sys.executable, "-m", "tailreplay_eval.preforked", str(self.socket_path)],
+                                          env={**os.environ, **self._env}, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         deadline = time.monotonic() + timeout
         while not self.socket_path.exists():  # bound after the imports
             if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -133,7 +130,11 @@ def serve(socket_path: str) -> None:
     while os.getppid() == parent:
         if select.select([listener], [], [], 0.2)[0]:
             conn, _ = listener.accept()
-            request = _read_request(conn)
+            try:
+                request = _read_message(conn)
+            except ConnectionError:  # the client went away before asking
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -145,10 +146,14 @@ def serve(socket_path: str) -> None:
         _reap(children)
 
 
-def _read_request(conn: socket.socket) -> dict:
+def _read_message(conn: socket.socket) -> dict:
+    """One JSON line from `conn` (a request, or the preforker's reply with the pid)."""
     data = b""
     while not data.endswith(b"\n"):
-        data += conn.recv(65536)
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the preforker's connection closed mid-message")
+        data += chunk
     return json.loads(data)
 
 
