@@ -1,5 +1,7 @@
 # The two commands a newcomer needs (see README.md), plus test-fast. All build .venv first (idempotent).
 PY := .venv/bin/python
+# make test runs whole modules on this many pytest-xdist workers, one core each (tests/parallel.py); 0: all in one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast
 setup:
@@ -9,7 +11,7 @@ demo: setup  ## real SGLang server on the small hybrid model + a shared-prefix w
 	$(PY) bench/shared_prefix.py
 
 test: setup  ## the test suite (starts real SGLang servers on loopback)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup  ## the tests that start no SGLang server, router, Engine or launcher (-m "not server")
 	$(PY) -m pytest -q -m "not server"

@@ -11,8 +11,11 @@ the same build (preset, seed, dtype, builder version; see `tailreplay_build.json
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
@@ -739,18 +742,32 @@ def build_model(
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out_dir = Path(out_dir)
     record = _build_record(preset, seed, dtype)
-    if not force and _holds_build(out_dir, record):
-        return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place, so readers never see a half-written checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide the published checkpoint from other users
-    try:
-        _write_build(spec, record, staging)
-        _publish(staging, out_dir, record)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with _build_lock(out_dir):
+        if not force and _holds_build(out_dir, record):
+            return out_dir
+        # Built beside the target and renamed into place, so readers never see a half-written checkpoint.
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the published checkpoint from other users
+        try:
+            _write_build(spec, record, staging)
+            _publish(staging, out_dir, record)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path):
+    """One builder at a time in a folder, across processes (parallel test workers share models/): the second
+    waits, then finds the build done instead of replacing it under the first one's readers. The lock is the
+    folder's own (flock on its descriptor), so no lock file is left beside the checkpoints."""
+    fd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def main(argv: list[str] | None = None) -> None:

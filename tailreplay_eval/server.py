@@ -65,13 +65,16 @@ CPU_KEYWORDS = flags_to_keywords(CPU_FLAGS)  # for sglang.Engine / sgl.Runtime
 
 
 _HANDED_OUT: set[int] = set()
+# Where free_port draws. Below both the kernel's ephemeral range (32768+: any concurrently starting process may take
+# such a port for an outgoing connection before our server binds it) and SGLang's own pick for internal ports
+# (22000-29999, `get_free_port_below_ephemeral`). Parallel test workers each narrow it to a slice of their own.
+PORT_RANGE = (12000, 21999)
 
 
-def free_port(low: int = 12000, high: int = 21999) -> int:
-    """A free port for a server or router to bind later. Below both the kernel's ephemeral range (32768+: any
-    concurrently starting process may take such a port for an outgoing connection before our server binds it) and
-    SGLang's own pick for internal ports (22000-29999, `get_free_port_below_ephemeral`); never the same twice in a
-    process, so servers started together do not collide."""
+def free_port() -> int:
+    """A free port in PORT_RANGE for a server or router to bind later; never the same twice in a process, so
+    servers started together do not collide."""
+    low, high = PORT_RANGE
     for port in random.sample(range(low, high + 1), 200):
         if port in _HANDED_OUT:
             continue

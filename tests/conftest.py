@@ -2,12 +2,14 @@
 references and tokenizers, the SGLang servers several modules share, and the soak options. Plain helpers:
 tests/helpers.py."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+import parallel
 from helpers import EXACT_FLAGS, MODELS_DIR, RunningTest, ServerRegistry, Spec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.preforked import Preforker
@@ -151,9 +153,23 @@ def anchored_qwen35_server(server_registry, tiny_qwen35):
     yield from server_registry.serve("anchored_qwen35_server", Spec(tiny_qwen35, ANCHORED_FLAGS, kwargs=BIG_POOL))
 
 
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # `pytest -n N` (make test): this worker's cores, threads and ports (tests/parallel.py)
+        parallel.bind_worker(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return parallel.ModuleUnitScheduling(config, log)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Note, per shared server, the last test (after -k, -m and friends deselected theirs) that needs it."""
+    """Order the modules heaviest first (for parallel workers; tests/parallel.py), then note, per shared server, the
+    last test (after -k, -m and friends deselected theirs) that needs it."""
+    parallel.order_heaviest_first(items)
+    parallel.check_shared_server_modules(items, SHARED_SERVERS)
     last = {}
     for item in items:
         for name in SHARED_SERVERS:
