@@ -7,9 +7,9 @@ serial run leaves the second core idle for much of it. Two workers fill it, on t
   (`SGLANG_CPU_OMP_THREADS_BIND`, which the CPU port applies) and its own torch runs that many threads. Two servers
   each spinning OpenMP threads on both cores would slow each other many times over (docs/scale-out.md); a test that
   binds its ranks itself (test_scale_out) keeps its own binding.
-- **Whole modules, and the modules that share a session server together.** A module-scoped server must not start
-  once per worker; the modules that use conftest's shared servers (`SHARED_SERVER_MODULES`; the collection checks the
-  list) are one unit, so the server stops after its last user as in a serial run.
+- **Whole modules, and some modules together** (`UNITS`). A module-scoped server must not start once per worker; the
+  modules that use conftest's shared servers (the collection checks the list) are one unit, so each such server
+  stops after its last user as in a serial run; the HiCache modules are one unit, so their host pools never meet.
 - **Heaviest units first**, so that the last unit to start is a short one (`MODULE_SECONDS`, measured in CI).
 
 Ports: each worker draws from its own slice of the test port range, so two workers never hand out the same port.
@@ -23,28 +23,36 @@ from xdist.scheduler import LoadScopeScheduling
 from tailreplay_eval import server
 
 SHARED_SERVER_GROUP = "shared-servers"
-# The modules that use conftest's SHARED_SERVERS (checked at collection: check_shared_server_modules).
-SHARED_SERVER_MODULES = frozenset({"tests/test_bench.py", "tests/test_pd.py", "tests/test_python_api.py",
-                                   "tests/test_router.py", "tests/test_server.py", "tests/test_tail_replay.py"})
-# Seconds per module in a serial clean-clone CI run (5b236aa, junit times); a module not listed counts 0 (it runs
-# after the listed ones, in collection order). Only the order depends on these: a stale figure costs balance, not
-# correctness.
+# Modules that run as one unit, on one worker, one after the other:
+UNITS = {
+    # the modules that use conftest's SHARED_SERVERS (checked at collection: check_shared_server_modules)
+    SHARED_SERVER_GROUP: frozenset({"tests/test_bench.py", "tests/test_pd.py", "tests/test_python_api.py",
+                                    "tests/test_router.py", "tests/test_server.py", "tests/test_tail_replay.py"}),
+    # three to five HiCache servers each: SGLang refuses a host pool that leaves less than 10 GiB of host memory
+    # free, which two such modules starting their servers at once came close to
+    "host-memory": frozenset({"tests/test_hicache.py", "tests/test_hicache_tail_replay.py",
+                              "tests/test_mooncake_store.py"}),
+}
+_UNIT_OF = {module: unit for unit, modules in UNITS.items() for module in modules}
+SHARED_SERVER_MODULES = UNITS[SHARED_SERVER_GROUP]
+# Seconds per unit in the last clean-clone CI run on two workers (9ee6a9b, junit times); a module not listed counts 0
+# (it runs after the listed ones, in collection order). Only the order depends on these: a stale figure costs
+# balance, not correctness.
 MODULE_SECONDS = {
-    "tests/test_hicache_tail_replay.py": 183, "tests/test_speculative.py": 175, "tests/test_hicache.py": 169,
-    "tests/test_hybrid_families.py": 148, "tests/test_production_path.py": 116, "tests/test_reliability.py": 104,
-    "tests/test_quality_bench.py": 73, "tests/test_anchored_replay.py": 63, "tests/test_scale_out.py": 49,
-    "tests/test_kernels.py": 40, "tests/test_cache_properties.py": 37, "tests/test_vision_language.py": 34,
-    "tests/test_olmo_hybrid.py": 33, "tests/test_training.py": 31, "tests/cpu_compat/test_cpu_ops.py": 30,
-    "tests/test_ttft_gpu.py": 26, "tests/test_flags.py": 22,
-    # the shared-server unit: test_bench 94, test_pd 113, test_python_api 105, test_router 22, test_server 7,
-    # test_tail_replay 71
-    SHARED_SERVER_GROUP: 412,
+    "tests/test_speculative.py": 256, "tests/test_production_path.py": 171, "tests/test_hybrid_families.py": 169,
+    "tests/test_reliability.py": 135, "tests/test_quality_bench.py": 96, "tests/test_kernels.py": 77,
+    "tests/test_scale_out.py": 69, "tests/test_anchored_replay.py": 68, "tests/test_ttft_gpu.py": 44,
+    "tests/test_vision_language.py": 42, "tests/test_olmo_hybrid.py": 41, "tests/test_training.py": 41,
+    "tests/test_cache_properties.py": 37, "tests/cpu_compat/test_cpu_ops.py": 35, "tests/test_flags.py": 32,
+    # test_python_api 172, test_pd 141, test_bench 139, test_tail_replay 84, test_router 29, test_server 9
+    SHARED_SERVER_GROUP: 574,
+    "host-memory": 141,  # test_hicache 49, test_hicache_tail_replay 92
 }
 
 
 def unit_of(module: str) -> str:
-    """The unit of work a module belongs to: its own path, or the shared-server group."""
-    return SHARED_SERVER_GROUP if module in SHARED_SERVER_MODULES else module
+    """The unit of work a module belongs to: its unit in UNITS, else its own path."""
+    return _UNIT_OF.get(module, module)
 
 
 class ModuleUnitScheduling(LoadScopeScheduling):
