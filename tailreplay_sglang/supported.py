@@ -23,7 +23,8 @@ SGLANG_VERSION = "0.5.23"
 SUPPORTED = {
     "disable_radix_cache": ((False,), "--disable-radix-cache", "Tail-Replay is a radix cache"),
     # HiCache: the hidden store and the anchors travel with the KV (cache/hierarchy.py), tested with the host tier
-    # and the `file` storage backend (tests/test_hicache.py); buffer_only stages host copies the store does not follow
+    # and the `file` and `mooncake` storage backends (tests/test_hicache*.py, test_mooncake_store.py); buffer_only
+    # stages host copies the store does not follow
     "hicache_host_memory_mode": (("cache",), "--hicache-host-memory-mode", "buffer_only is not wired"),
     # Speculative decoding: NEXTN (SGLang resolves it to EAGLE) with the checkpoint's own MTP head, and NGRAM. The
     # hidden store is written by the verify at the drafts' KV slots and follows a draft tree's moves
@@ -67,8 +68,8 @@ SUPPORTED = {
     "enable_unified_cache_external_linker": ((False,), "--enable-unified-cache-external-linker",
                                              "KV loaded from outside comes without its hiddens or taint"),
     "enable_lmcache": ((False,), "--enable-lmcache", "the tail_replay cache backend would bypass LMCache"),
-    "hicache_storage_backend": ((None, "file"), "--hicache-storage-backend",
-                                "the hidden pages go through SGLang's page API, tested with `file` only"),
+    "hicache_storage_backend": ((None, "file", "mooncake"), "--hicache-storage-backend",
+                                "the hidden pages go through SGLang's page API, tested with `file` and `mooncake`"),
     "enable_pdmux": ((False,), "--enable-pdmux", "prefill/decode multiplexing is not tested"),
     "enable_mis": ((False,), "--enable-mis", "multi-item scoring turns the radix cache off"),
     "enable_linear_replayssm": ((False,), "--enable-linear-replayssm", "SGLang's own recurrent-state replay"),

@@ -361,6 +361,31 @@ def hicache_spec(model, l3_folder: Path, gpu_scheduling: bool, *extra: str) -> S
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 
 
+def mooncake_spec(model, master_address: str, gpu_scheduling: bool, *extra: str,
+                  segment_bytes: int | None = None) -> Spec:
+    """A HiCache server with 1,200-token device pools whose L3 is the Mooncake store of the master at
+    `master_address`, over TCP on loopback, contributing a segment of `segment_bytes` (test_mooncake_store.py)."""
+    from tailreplay_eval.mooncake_store import SEGMENT_BYTES, server_flags
+
+    flags = server_flags(master_address, segment_bytes or SEGMENT_BYTES)
+    return Spec(model, flags + ("--dtype", "float32", "--enable-cache-report", "--mem-fraction-static", "0.5") + extra,
+                kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
+
+
+def wait_for_keys(master, before: float, keys: int, timeout: float = 60.0) -> None:
+    """`wait_for_pages` for the Mooncake store: until the master holds at least `keys` more objects and their
+    number has stopped changing (a node's other pools' pages land beside its KV)."""
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    while True:
+        now = master.metric("master_key_count")
+        if now != last:
+            last, since = now, time.monotonic()
+        if now >= before + keys and time.monotonic() - since > 0.5:
+            return
+        assert time.monotonic() < deadline, f"{now - before:.0f} of {keys} keys written"
+        time.sleep(0.1)
+
+
 def wait_for_pages(folder: Path, before: int, pages: int, timeout: float = 60.0) -> None:
     """SGLang writes host pages to L3 from a background thread after the request: wait until `pages` more files
     are there (one per token page and pool at page size 1, plus the states)."""

@@ -264,3 +264,30 @@ def test_hicache_host_pool_round_trips_rows_through_host_and_l3_pages(dtype):
         other.set_from_flat_data_page(start - 16, landing)  # a different host slot on the other server
     assert torch.equal(other.hiddens[:, :12].view(torch.uint8), pool.hiddens[:, 16:28].view(torch.uint8))
     assert torch.equal(other.token_ids[:12], pool.token_ids[16:28]) and other.token_ids[:12].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hicache_host_pool_hands_a_zero_copy_backend_each_pages_bytes_in_place(dtype):
+    """Mooncake reads and writes a page where it lies (`get_page_buffer_meta`: an address and a size per part,
+    parts of one page packed into one object): the bytes at those addresses, in order, are the page `get_data_page`
+    gives the file backend, and they lie inside the buffers it registers (`get_hybrid_pool_buffer`)."""
+    import ctypes
+
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    page = 4
+    store = HiddenStore(LAYOUT, 64, dtype, DEVICE)
+    _fill(store, seed=5)
+    pool = HiddenHostPool(store, size=32, page_size=page)
+    pool.backup_from_device_all_layer_physical(store, torch.arange(8, 28), torch.arange(20, 40, device=DEVICE),
+                                               "direct")
+    host = torch.tensor([12, 13, 14, 15, 24, 25, 26, 27])  # two pages, not adjacent
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    parts = len(ptrs) // 2
+    assert parts == store.hiddens.shape[0] + 1 and len(sizes) == len(ptrs)
+    registered = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in pool.get_hybrid_pool_buffer()]
+    for i, start in enumerate((12, 24)):
+        page_ptrs, page_sizes = ptrs[i * parts:(i + 1) * parts], sizes[i * parts:(i + 1) * parts]
+        got = b"".join(ctypes.string_at(p, n) for p, n in zip(page_ptrs, page_sizes))
+        assert got == pool.get_data_page(start).numpy().tobytes()
+        assert all(any(lo <= p and p + n <= hi for lo, hi in registered) for p, n in zip(page_ptrs, page_sizes))

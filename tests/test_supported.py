@@ -1,6 +1,8 @@
 """Fail closed: Tail-Replay refuses, naming the flag, any SGLang configuration it is not built and tested for, as
 SGLang resolved it (after its own post-processing), and any SGLang release but the pinned one."""
 
+import json
+
 import pytest
 
 from tailreplay_sglang.supported import (DISAGGREGATED, SGLANG_VERSION, SUPPORTED, UnsupportedConfigError,
@@ -41,7 +43,7 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),
     ("ep_size", 2), ("moe_dp_size", 2), ("enable_unified_memory", True), ("enable_page_major_kv_layout", True),
     ("enable_mis", True),
-    ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "mooncake"),
+    ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "hf3fs"),
     ("hicache_host_memory_mode", "buffer_only"),
     ("enable_pdmux", True), ("enable_linear_replayssm", True), ("enable_linear_replayssm_spec", True),
     ("mamba_max_states_per_path", 4),
@@ -218,3 +220,46 @@ def test_speculative_decoding_only_on_tested_families(family, algorithm, refused
             call()
     else:
         call()
+
+
+# ---- the namespace of a Tail-Replay server's pages in a shared Mooncake store (cache/storage_key.py) ----
+
+MOONCAKE_L3 = ("--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake")
+
+
+def _storage_config(model_path, *flags) -> dict:
+    import argparse
+
+    from tailreplay_sglang.plugin import add_cli_args, config_from_args, hand_off
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--model-path", "--dtype", "--hicache-storage-backend", "--hicache-storage-backend-extra-config"):
+        parser.add_argument(flag)
+    parser.add_argument("--enable-hierarchical-cache", action="store_true")
+    add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(model_path), "--enable-tail-replay", *flags])
+    fields = hand_off(config_from_args(args), args)
+    return json.loads(fields.get("hicache_storage_backend_extra_config", "{}"))
+
+
+def test_mooncake_pages_are_tagged_with_what_they_hold(tiny_qwen35, tiny_qwen3next, tmp_path):
+    """Servers agreeing on the checkpoint and the dtypes of their pages share a tag; another `--dtype`, hidden
+    dtype or checkpoint gets another; the user's own extra config keeps its keys and its tag goes in front; `file`
+    (which ignores tags) and a server without L3 are left alone."""
+    same = _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32")
+    assert same == _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32")
+    tag = same["extra_backend_tag"]
+    assert tag.startswith("tr1-")
+    assert _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "bfloat16")["extra_backend_tag"] != tag
+    assert _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32", "--tail-replay-hidden-dtype",
+                           "bfloat16")["extra_backend_tag"] != tag
+    assert _storage_config(tiny_qwen3next, *MOONCAKE_L3, "--dtype", "float32")["extra_backend_tag"] != tag
+    user = {"master_server_address": "127.0.0.1:1", "protocol": "tcp", "extra_backend_tag": "team"}
+    config_file = tmp_path / "mooncake.json"
+    config_file.write_text(json.dumps(user))
+    for given in (json.dumps(user), f"@{config_file}"):
+        got = _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32",
+                              "--hicache-storage-backend-extra-config", given)
+        assert got == {**user, "extra_backend_tag": f"team_{tag}"}
+    assert _storage_config(tiny_qwen35, "--enable-hierarchical-cache", "--hicache-storage-backend", "file") == {}
+    assert _storage_config(tiny_qwen35) == {}

@@ -75,6 +75,25 @@ class HiddenHostPool:
         self.hiddens[:, pages] = rows
         self.token_ids[pages] = data_page[split:].view(torch.int64)
 
+    # ---- L3 without a copy (Mooncake): the same page bytes, read and written in place ----
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """The tensors a zero-copy backend registers with its transfer engine (it moves only registered memory)."""
+        return [self.hiddens, self.token_ids]
+
+    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        """(addresses, byte sizes) of each page's parts, page after page: every group's `page_size` rows (contiguous
+        in `[groups, slots, row]`), then its token ids; the backend packs one page's parts into one object, in the
+        order `get_data_page` writes them."""
+        starts = indices.reshape(-1, self.page_size)[:, 0].tolist()
+        rows = self.page_size * self.hiddens.shape[-1] * self.hiddens.element_size()
+        ptrs, sizes = [], []
+        for start in starts:
+            ptrs += [self.hiddens[g, start].data_ptr() for g in range(self.hiddens.shape[0])]
+            ptrs.append(self.token_ids[start].data_ptr())
+            sizes += [rows] * self.hiddens.shape[0] + [self.page_size * TOKEN_ID_BYTES]
+        return ptrs, sizes
+
     def clear(self) -> None:
         """Host slots are reused as the KV host pool reuses them: nothing to reset."""
 

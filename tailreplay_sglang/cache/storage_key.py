@@ -1,0 +1,52 @@
+"""The namespace of a Tail-Replay server's pages in a shared L3 store (`--hicache-storage-backend mooncake`).
+
+SGLang's Mooncake backend names a page by its prefix hash behind a prefix of `extra_backend_tag` and the model name
+(`--model-path`, '/' -> '-'). Two servers of one model path with another checkpoint (config), `--dtype`,
+`--kv-cache-dtype` or hidden-row dtype would read each other's pages: KV of another dtype, hidden rows of another
+width or group split, restored and then replayed as exact. So the launcher adds a tag naming what its pages hold, a
+short hash of those settings, to the extra config it hands to the scheduler: servers that agree on them share pages,
+others never see each other's.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT = 1  # bump when the bytes of a hidden page change (store/hicache_pool.py)
+
+
+def storage_tag(args, hidden_dtype: str) -> str:
+    """'tr<FORMAT>-<hash>' of the checkpoint's config and the dtypes of the pages this server writes."""
+    config = Path(args.model_path, "config.json")
+    what = {"format": FORMAT, "config": config.read_text() if config.is_file() else str(args.model_path),
+            "revision": getattr(args, "revision", None), "dtype": getattr(args, "dtype", None),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", None), "hidden_dtype": hidden_dtype,
+            "page_size": getattr(args, "page_size", None)}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+    return f"tr{FORMAT}-{digest}"
+
+
+def with_storage_tag(extra_config: str | None, tag: str) -> str:
+    """`--hicache-storage-backend-extra-config` (a JSON object, or '@file.json') with `extra_backend_tag` extended by
+    `tag` (a user's own tag stays in front), as a JSON object."""
+    config = _load(extra_config)
+    own = config.get("extra_backend_tag")
+    config["extra_backend_tag"] = tag if own is None else f"{own}_{tag}"
+    return json.dumps(config)
+
+
+def _load(extra_config: str | None) -> dict:
+    if not extra_config:
+        return {}
+    if extra_config.startswith("@"):
+        path = Path(extra_config[1:])
+        if path.suffix.lower() == ".json":
+            return json.loads(path.read_text())
+        if path.suffix.lower() == ".toml":
+            import tomllib
+
+            return tomllib.loads(path.read_text())
+        import yaml  # SGLang's own reader takes .yaml and .yml too
+
+        return yaml.safe_load(path.read_text())
+    return json.loads(extra_config)
