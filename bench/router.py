@@ -52,7 +52,7 @@ def run_shape(router_url: str, workers: list[str], conversation: bool, tok, args
     for url in workers:
         flush_cache(url)
     if store is not None:  # SGLang's endpoint empties the whole store, every client's pages
-        requests.post(f"{workers[0]}/clear_hicache_storage_backend", timeout=60).raise_for_status()
+        requests.post(f"{workers[0]}/hicache/storage-backend/clear", timeout=60).raise_for_status()
     seen, records, lock = harness.Seen(), [], threading.Lock()
 
     def client(prefix_and_questions):
@@ -148,35 +148,37 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(run.model_path)
     title = f"{args.workers} workers behind sglang-router" + (", a shared Mooncake L3" if args.l3 != "none" else "")
     results = {shape: {} for shape in SHAPES}
-    masters = {kind: MooncakeMaster(log_path=run.out.with_suffix(f".mooncake-{kind}.log"))
-               for kind in WORKERS} if args.l3 == "mooncake" else {}
-    try:
-        for master in masters.values():
-            master.start().wait_healthy(timeout=60)
-        store_flags = {kind: server_flags(m.address) + ("--enable-cache-report",) for kind, m in masters.items()}
-        configs = {f"{kind}{i}": flags + store_flags.get(kind, ()) + tuple(run.server_args)
-                   for kind, flags in WORKERS.items() for i in range(args.workers)}
-        # Worker i on core i (mod the cores): two busy servers sharing both cores thrash each other's OpenMP spin
-        # barriers (round-robin keeps both busy at once), which would charge the policy with that, not its routing.
-        cores = sorted(os.sched_getaffinity(0))
-        pinned = {f"{kind}{i}": {"SGLANG_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
-                  for kind in WORKERS for i in range(args.workers)}
-        with harness.running_servers(run.model_path, configs, run.out, console, envs=pinned,
-                                     max_total_tokens=32768) as servers:
-            for kind in WORKERS:
-                urls = [servers[f"{kind}{i}"].base_url for i in range(args.workers)]
+    # Worker i on core i (mod the cores): two busy servers sharing both cores thrash each other's OpenMP spin
+    # barriers (round-robin keeps both busy at once), which would charge the policy with that, not its routing. One
+    # kind's workers run at a time (with their own Mooncake master under --l3): six servers with HiCache host pools
+    # and store segments at once would not fit beside SGLang's 10 GiB host-memory reserve here.
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = {f"{kind}{i}": {"SGLANG_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+              for kind in WORKERS for i in range(args.workers)}
+    for kind, flags in WORKERS.items():
+        master = MooncakeMaster(log_path=run.out.with_suffix(f".mooncake-{kind}.log")) if args.l3 == "mooncake" \
+            else None
+        try:
+            # a host pool of twice the device pool each (the store's clients map theirs at once)
+            store_flags = () if master is None else \
+                server_flags(master.start().wait_healthy(timeout=60).address, host_ratio=2) + ("--enable-cache-report",)
+            configs = {f"{kind}{i}": flags + store_flags + tuple(run.server_args) for i in range(args.workers)}
+            logs = run.out.with_name(f"{run.out.stem}-{kind}.json")  # harness names each log after it
+            with harness.running_servers(run.model_path, configs, logs, console, envs=pinned,
+                                         max_total_tokens=32768) as servers:
+                urls = [servers[label].base_url for label in configs]
                 for policy in POLICIES:
                     log = run.out.with_suffix(f".router-{kind}-{policy}.log")
                     with RouterProcess(worker_urls=tuple(urls), policy=policy, log_path=log) as router:
                         for shape, conversation in SHAPES.items():
-                            r = run_shape(router.base_url, urls, conversation, tok, args, masters.get(kind))
+                            r = run_shape(router.base_url, urls, conversation, tok, args, master)
                             results[shape][(kind, policy)] = r
                             console.print(f"  {shape} / {kind} / {policy}: cached {r['cached']:,} of "
                                           f"{r['matchable']:,}, TTFT p50 {r['ttft_p50_s']:.2f} s")
-    finally:
-        for master in masters.values():
-            master.stop()
-    console.print(table(results, title, bool(masters)))
+        finally:
+            if master is not None:
+                master.stop()
+    console.print(table(results, title, args.l3 != "none"))
     plot(results, run.out.with_suffix(".png"), title)
     record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine_before": run.machine_before,
               "machine_after": harness.machine(), "elapsed_s": run.elapsed(), "model": str(run.model_path),

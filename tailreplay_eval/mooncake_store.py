@@ -32,11 +32,11 @@ def extra_config(master: str, segment_bytes: int = SEGMENT_BYTES, **more) -> str
                        **more})
 
 
-def server_flags(master: str, segment_bytes: int = SEGMENT_BYTES) -> tuple[str, ...]:
+def server_flags(master: str, segment_bytes: int = SEGMENT_BYTES, host_ratio: float = 4) -> tuple[str, ...]:
     """A server's HiCache flags with the store of the master at `master` as L3. The host pool is sized by
     `--hicache-ratio` (times the device pool): SGLang allocates a Mooncake backend's host pools through Mooncake's
     allocator, which maps them at once, so `--hicache-size` in whole GiB would take a GiB per server."""
-    return ("--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-storage-backend", "mooncake",
+    return ("--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio), "--hicache-storage-backend", "mooncake",
             "--hicache-storage-prefetch-policy", "wait_complete",
             "--hicache-storage-backend-extra-config", extra_config(master, segment_bytes))
 
