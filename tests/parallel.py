@@ -46,7 +46,7 @@ MODULE_SECONDS = {
     "tests/test_cache_properties.py": 37, "tests/cpu_compat/test_cpu_ops.py": 35, "tests/test_flags.py": 32,
     # test_python_api 172, test_pd 141, test_bench 139, test_tail_replay 84, test_router 29, test_server 9
     SHARED_SERVER_GROUP: 574,
-    "host-memory": 231,  # test_hicache 49, test_hicache_tail_replay 92, test_mooncake_store ~90 (measured alone)
+    "host-memory": 215,  # test_hicache 69, test_hicache_tail_replay 59, test_mooncake_store 87 (9fa2167)
 }
 
 
