@@ -7,10 +7,10 @@
 loopback, `tailreplay_eval/mooncake_store.py`; emptied before each shape), and adds per shape the tokens served
 from it, the share of cached tokens in hits labelled exact and the store's allocated bytes.
 
-Four servers start together (two Tail-Replay workers, two stock workers; `CPU_FLAGS` plus `--server-args`; worker 0
-of each kind pinned to core 0 and worker 1 to core 1 with `SGLANG_CPU_OMP_THREADS_BIND`) and four
-routers (`python -m sglang_router.launch_router`, pinned in requirements/) in front of them: {Tail-Replay, stock}
-workers x {cache_aware, round_robin}. Each shape runs through each router in turn, from flushed caches, with
+`--workers` Tail-Replay workers start together, then (after them) as many stock workers (`CPU_FLAGS` plus
+`--server-args`; worker i of each kind pinned to core i mod the cores with `SGLANG_CPU_OMP_THREADS_BIND`), with a
+router (`python -m sglang_router.launch_router`, pinned in requirements/) per {Tail-Replay, stock} workers x
+{cache_aware, round_robin} in front of them. Each shape runs through each router in turn, from flushed caches, with
 `--clients` clients at once, each with its own prefix (so prefixes differ between clients):
 - shared prefix: each client sends `--requests` questions on its own system prompt, one after the other;
 - multi-turn: each client holds a `--requests`-round conversation over its own document, answers fed back as text.

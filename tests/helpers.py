@@ -22,6 +22,7 @@ from tailreplay_eval.exactness import (EXACT_MEAN_TOL, EXACT_TOL, assert_exact, 
                                       generate, generate_response, no_cache, scored, scored_from)
 from tailreplay_eval.reference import greedy_generate
 from soak import wait_idle
+from tailreplay_eval.mooncake_store import SEGMENT_BYTES, server_flags
 from tailreplay_eval.server import ServerProcess, _group_alive, flush_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,12 +363,10 @@ def hicache_spec(model, l3_folder: Path, gpu_scheduling: bool, *extra: str) -> S
 
 
 def mooncake_spec(model, master_address: str, gpu_scheduling: bool, *extra: str,
-                  segment_bytes: int | None = None) -> Spec:
+                  segment_bytes: int = SEGMENT_BYTES) -> Spec:
     """A HiCache server with 1,200-token device pools whose L3 is the Mooncake store of the master at
     `master_address`, over TCP on loopback, contributing a segment of `segment_bytes` (test_mooncake_store.py)."""
-    from tailreplay_eval.mooncake_store import SEGMENT_BYTES, server_flags
-
-    flags = server_flags(master_address, segment_bytes or SEGMENT_BYTES)
+    flags = server_flags(master_address, segment_bytes)
     return Spec(model, flags + ("--dtype", "float32", "--enable-cache-report", "--mem-fraction-static", "0.5") + extra,
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 

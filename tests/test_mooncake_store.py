@@ -16,10 +16,10 @@ import json
 import time
 
 import pytest
-import requests
 
 from helpers import (CONTEXT, QUESTION, RunningTest, assert_exact, generate, launch, mooncake_spec, no_cache,
                      random_ids, scored, start_servers, stop_all, wait_for_keys)
+from tailreplay_eval.harness import server_info
 from tailreplay_eval.mooncake_store import SEGMENT_BYTES, MooncakeMaster
 from tailreplay_eval.server import flush_cache
 
@@ -57,12 +57,8 @@ def servers(tiny_qwen35, tmp_path_factory, master):
         "tr_c": mooncake_spec(tiny_qwen35, master.address, False, *TR)})
 
 
-def server_info(srv) -> dict:
-    return requests.get(f"{srv.base_url}/server_info", timeout=30).json()
-
-
 def storage_tag(srv) -> str | None:
-    return json.loads(server_info(srv)["hicache_storage_backend_extra_config"]).get("extra_backend_tag")
+    return json.loads(server_info(srv.base_url)["hicache_storage_backend_extra_config"]).get("extra_backend_tag")
 
 
 def compute(master, srv, context: list[int], kind: str) -> None:
@@ -86,7 +82,7 @@ def test_every_server_is_a_client_of_the_store(servers, master):
     stock leaves SGLang's keys as they are."""
     assert master.metric("master_active_clients") == len(servers)
     for srv in servers.values():
-        info = server_info(srv)
+        info = server_info(srv.base_url)
         assert info["enable_hierarchical_cache"] is True and info["hicache_storage_backend"] == "mooncake"
     tags = {name: storage_tag(srv) for name, srv in servers.items()}
     assert tags["stock_a"] is None and tags["stock_b"] is None, tags

@@ -86,12 +86,14 @@ class HiddenHostPool:
         in `[groups, slots, row]`), then its token ids; the backend packs one page's parts into one object, in the
         order `get_data_page` writes them."""
         starts = indices.reshape(-1, self.page_size)[:, 0].tolist()
-        rows = self.page_size * self.hiddens.shape[-1] * self.hiddens.element_size()
+        groups, elem = self.hiddens.shape[0], self.hiddens.element_size()
+        group_stride, slot_bytes = self.hiddens.stride(0) * elem, self.hiddens.stride(1) * elem
+        rows, ids = self.hiddens.data_ptr(), self.token_ids.data_ptr()
         ptrs, sizes = [], []
-        for start in starts:
-            ptrs += [self.hiddens[g, start].data_ptr() for g in range(self.hiddens.shape[0])]
-            ptrs.append(self.token_ids[start].data_ptr())
-            sizes += [rows] * self.hiddens.shape[0] + [self.page_size * TOKEN_ID_BYTES]
+        for start in starts:  # addresses by arithmetic: no tensor view per part on the storage thread
+            ptrs += [rows + g * group_stride + start * slot_bytes for g in range(groups)]
+            ptrs.append(ids + start * TOKEN_ID_BYTES)
+            sizes += [self.page_size * slot_bytes] * groups + [self.page_size * TOKEN_ID_BYTES]
         return ptrs, sizes
 
     def clear(self) -> None:
