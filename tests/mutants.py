@@ -30,6 +30,9 @@ PROPERTIES = "tests/test_cache_properties.py"
 COPY = "tailreplay_sglang/cache/anchor_copy.py"
 STORE = "tailreplay_sglang/store/hidden_store.py"
 HICACHE_HOST_HITS = "tests/test_hicache_tail_replay.py::test_host_hits_are_exact_at_any_token_boundary"
+# The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
+RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
+                   "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,15 @@ MUTANTS = (
            "tailreplay_sglang/disaggregation.py",
            "setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))",
            "setattr(req, REQ_ATTR, TailReplayReq(exact=True))", ("tests/test_disaggregation.py",)),
+    Mutant("M2bs", "M2b, caught in the server: a retarget to its anchor's own depth goes to the root branch",
+           "tailreplay_sglang/cache/request.py", "match.anchor <= prefix:", "match.anchor < prefix:", RETARGET_SERVER,
+           server=True),
+    Mutant("M6s", "M6, caught in the server: mark_pending keeps the label of the plan it retargeted",
+           "tailreplay_sglang/lifecycle.py", "                state.exact = match.exact", "                pass",
+           RETARGET_SERVER, server=True),
+    Mutant("reset", "a retargeted replay starts from the state its slot holds for another prefix",
+           "tailreplay_sglang/replay.py", "        if match.reset:\n            resets.append(pool_idx)",
+           "        if False:\n            resets.append(pool_idx)", RETARGET_SERVER, server=True),
     Mutant("backup", "an anchor leaving the device under HiCache is never copied to its host pool by the plugin",
            "tailreplay_sglang/cache/component.py", "                self._backup_state_to_hicache(node)",
            "                pass", (HICACHE_HOST_HITS,),

@@ -15,8 +15,8 @@ import random
 import pytest
 import requests
 
-from helpers import (EXACT_TOL, TINY_VOCAB, Spec, assert_exact, generate, max_error, no_cache, random_ids, scored,
-                     start_servers)
+from helpers import (EXACT_TOL, TINY_VOCAB, Spec, assert_exact, faults_env, generate, max_error, no_cache, random_ids,
+                     scored, start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.server import flush_cache
 
@@ -33,13 +33,14 @@ FLAGS = ("--enable-tail-replay", "--tail-replay-anchor-interval", str(INTERVAL),
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tmp_path_factory):
     """The module's three servers, started together:
-    - anchored: the defaults with interval anchors every INTERVAL tokens;
+    - anchored: the defaults with interval anchors every INTERVAL tokens, and the test plugin's prefix cut (a
+      request with rid `cut<N>-...` extends from at most N tokens; inert for every other request);
     - paper: B = 0, no anchor kept or used, the paper's zero-init tail; same model and prefill chunking;
     - small_pool: a mamba pool of 12 slots, so anchors compete with running requests and SGLang's mamba LRU evicts
       them;
     - three_slots: the defaults on 3 mamba slots for 2 running requests with 1024-token chunks."""
     yield from start_servers(tmp_path_factory, {
-        "anchored": Spec(tiny_qwen35, FLAGS),
+        "anchored": Spec(tiny_qwen35, FLAGS, env=faults_env(cut_prefixes=True)),
         "paper": Spec(tiny_qwen35, (*FLAGS, "--tail-replay-exact-budget", "0")),
         "small_pool": Spec(tiny_qwen35, (*[f for f in FLAGS if f != "--enable-metrics"], "--max-mamba-cache-size",
                                          "12"), kwargs={"max_running_requests": 4}),
@@ -154,6 +155,49 @@ def test_eight_concurrent_hits_on_one_anchor(server):
     assert [h["meta"]["tail_replay_tokens"] for h in hits] == [650 - c for c in anchors]
     for ids, hit in zip(prompts, hits):
         assert_exact(hit, no_cache(server, ids, 650))
+    assert pool_leaks(wait_idle(server.base_url)) == []
+
+
+@pytest.mark.parametrize("planned, cut, anchor, replayed, exact", [
+    (700, 680, 640, 40, True),  # the planned anchor (640) lies within the new prefix: replay from it
+    (700, 640, 640, 0, True),  # the prefix ends at the anchor: its state, nothing replayed
+    (136, 100, 0, 100, True),  # within the budget from the root: the slot, holding the state at 128, is zeroed first
+    (700, 300, None, 64, False),  # past the budget from the root: the zero-init tail (64 tokens), approximate
+])
+def test_a_prefix_cut_after_the_match_retargets_the_hit(server, planned, cut, anchor, replayed, exact):
+    """The scheduler can settle on a shorter prefix than the match planned for (the fault plugin cuts it between
+    the match and the batch's prepare_for_extend). The hit planned from the deepest interval anchor for `planned`
+    tokens is retargeted to the prefix it got (`retarget`): its label and its answer follow the new prefix. The
+    log-probs compared start at `planned`: a state error fades over a few hundred tokens of this model, so the
+    root case plans close to its cut."""
+    base = random_ids(1000, seed=31)
+    fork = base[:planned] + random_ids(12, seed=32)
+    reference = no_cache(server, fork, planned)
+    flush_cache(server.base_url)
+    generate(server, base, 1)  # interval anchors every 128 tokens
+    hit = scored(server, fork, planned, rid=f"cut{cut}-{planned}")
+    meta = hit["meta"]
+    assert meta["cached_tokens"] == cut, meta  # the fault happened
+    assert (meta["tail_replay_anchor"], meta["tail_replay_tokens"], meta["tail_replay_exact"]) == (
+        anchor, replayed, exact), meta
+    if exact:
+        assert_exact(hit, reference)
+    assert pool_leaks(wait_idle(server.base_url)) == []
+
+
+def test_a_retargeted_hit_on_tainted_kv_is_approximate(server):
+    """A match on KV an approximate request computed, cut back to a prefix within the budget from the root: the
+    taint is judged on the path the match locked, so the retargeted hit stays labelled approximate."""
+    base = random_ids(1000, seed=31)
+    fork = base[:700] + random_ids(12, seed=32)
+    flush_cache(server.base_url)
+    generate(server, base, 1)
+    first = scored(server, fork, 700, rid="cut300-taints")  # a zero-init tail: the fork's new KV is tainted
+    assert first["meta"]["tail_replay_exact"] is False
+    hit = scored(server, fork + [7, 8], 712, rid="cut100-on-taint")
+    meta = hit["meta"]
+    assert meta["cached_tokens"] == 100 and meta["tail_replay_anchor"] == 0, meta
+    assert meta["tail_replay_exact"] is False, meta
     assert pool_leaks(wait_idle(server.base_url)) == []
 
 

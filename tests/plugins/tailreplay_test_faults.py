@@ -7,11 +7,15 @@ in flight; with `TAILREPLAY_FAULT_EVENTS` naming a file it appends a JSON line p
 (`{"held": [rid, ...], "t": time.time()}`), so a test waits for the hold it needs and shows that it happened (the
 `FaultEvents` helper in tests/helpers.py). With `TAILREPLAY_FAULT_DROP_MODEL_ATTR` set to a path below a decoder
 layer (`linear_attn.norm`), that attribute is deleted from the class that owns it once the model is loaded, as a
-renamed SGLang model internal would be missing.
+renamed SGLang model internal would be missing. With `TAILREPLAY_FAULT_CUT_PREFIX` set, a request whose rid
+starts with `cut<N>-` extends from at most N tokens although its match planned for more (its prefix cut after the
+match, before the batch's `prepare_for_extend`, the tree lock kept): the scheduler settling on a shorter prefix than
+the one the match planned for, which Tail-Replay answers by retargeting the hit (`cache/request.py: retarget`).
 """
 
 import json
 import os
+import re
 import time
 
 DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
@@ -19,6 +23,9 @@ EVENTS_ENV = "TAILREPLAY_FAULT_EVENTS"
 TARGET = "tailreplay_sglang.replay.run_pending"  # returns the replayed batch, or None when nothing ran
 DROP_ENV = "TAILREPLAY_FAULT_DROP_MODEL_ATTR"
 LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"  # the model is loaded; pools next
+CUT_ENV = "TAILREPLAY_FAULT_CUT_PREFIX"
+EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+CUT_RID = re.compile(r"cut(\d+)-")
 
 
 def register() -> None:
@@ -26,6 +33,8 @@ def register() -> None:
 
     if os.environ.get(DROP_ENV):
         HookRegistry.register(LOADED, drop_model_attr, HookType.BEFORE)
+    if os.environ.get(CUT_ENV):
+        HookRegistry.register(EXTEND, cut_prefixes, HookType.BEFORE)
     delay = float(os.environ.get(DELAY_ENV, "0"))
     if delay <= 0:
         return
@@ -53,3 +62,13 @@ def drop_model_attr(runner, *args, **kwargs):
         if owner is not None and hasattr(type(owner), name):
             delattr(type(owner), name)
             return
+
+
+def cut_prefixes(batch, *args, **kwargs):
+    """Shorten the prefix of each first-round request whose rid asks for it (`cut<N>-...`). The KV of the cut part
+    is read off the path to the locked match node as far as the new prefix only (`prefix_device_indices`), and the
+    extend computes the rest anew; `cache_protected_len` follows, so the insert frees the recomputed duplicates."""
+    for req in batch.reqs:
+        cut = CUT_RID.match(str(req.rid))
+        if cut and not req.kv.holds_kv and req.prefix_len > int(cut[1]):
+            req.prefix_len = req.kv.cache_protected_len = int(cut[1])
