@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from tailreplay_sglang import hooks, replay, supported, visibility
+from tailreplay_sglang import dp_attention, hooks, replay, supported, visibility
 from tailreplay_sglang.cache.component import create_tail_replay_cache
 from tailreplay_sglang.cache.decode_component import create_decode_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
@@ -163,12 +163,18 @@ def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch
         # The stream forwards run on: the runner's forward stream under the overlap scheduler, the scheduler's own
         # stream without it. Host-anchor saves, made while scheduling, go there too (`component.on_forward_stream`).
         runtime.forward_stream = torch.cuda.current_stream()
-    if runtime.store is not None and forward_batch.forward_mode.is_extend():
-        runtime.staged_anchors.restore_host(runtime.host_anchors, runner.req_to_token_pool)
-        anchors = runtime.interval_anchors
-        with anchors.paused() if anchors is not None else contextlib.nullcontext():
-            replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending, runtime.config,
-                               runtime.metrics)
+    if runtime.store is None:
+        return result
+    if not forward_batch.forward_mode.is_extend():
+        if dp_attention.must_exchange(forward_batch):  # another rank's replay pass: take part (no rows of ours)
+            replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending,
+                               runtime.config, runtime.metrics)
+        return result
+    runtime.staged_anchors.restore_host(runtime.host_anchors, runner.req_to_token_pool)
+    anchors = runtime.interval_anchors
+    with anchors.paused() if anchors is not None else contextlib.nullcontext():
+        replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending, runtime.config,
+                           runtime.metrics)
     return result
 
 
@@ -203,6 +209,7 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
             return default_radix_cache_factory(ctx)
         return create_decode_cache(runtime, ctx)
     supported.check_speculative_family(runtime.family, ctx.server_args)
+    supported.check_dp_attention_family(runtime.family, ctx.server_args)
     from sglang.srt.runtime_context import get_exec
 
     supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config,

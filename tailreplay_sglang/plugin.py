@@ -130,7 +130,6 @@ def _check_version() -> None:
 def _check_combination(args: argparse.Namespace) -> None:
     refused = {
         "disable_radix_cache": "--disable-radix-cache",
-        "enable_dp_attention": "--enable-dp-attention",  # its attention-TP groups are not wired into the replay
     }
     for dest, flag in refused.items():
         if getattr(args, dest, None):

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from tailreplay_sglang import visibility
+from tailreplay_sglang import dp_attention, visibility
 from tailreplay_sglang.cache.request import Match, PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.families import Family, ReplayBatch
@@ -105,6 +105,20 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
         family.replay_group(model, pool, group, x, batch)
 
 
+def _plan_pending(runner, forward_batch, pending: PendingReplays, config: TailReplayConfig,
+                  metrics) -> ReplayBatch | None:
+    """The batch's hits taken from `pending` and reported; the pass that rebuilds their states, or None."""
+    if not len(pending):
+        return None
+    pool_rows = pool_rows_of(forward_batch)
+    rows = pending.take(pool_rows, list(forward_batch.extend_prefix_lens_cpu))
+    for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
+        visibility.record_hit(req, match.anchor, survival=None if match.exact else 1.0)
+        if metrics is not None:
+            metrics.observe_hit(match.exact)
+    return plan(runner, pool_rows, rows, config) if rows else None
+
+
 def wait_for_loaded_rows(runner) -> None:
     """Under HiCache a hit's host pages come back layer by layer on the controller's stream, its hidden rows with
     the first layer's KV (`cache/hierarchy.py`). The replay waits for that layer only: the later layers' KV keeps
@@ -122,15 +136,21 @@ def pool_rows_of(forward_batch) -> list[int]:
 
 def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pending: PendingReplays,
                 config: TailReplayConfig, metrics=None) -> ReplayBatch | None:
-    if not len(pending):  # no hit since the last forward: nothing to do, and nothing read from the device
+    """The replay pass of the batch's hits, before its extend. Under attention DP every rank comes here at every
+    forward of a step in which any rank extends, and takes part in any rank's pass (`dp_attention.py`)."""
+    exchanging = dp_attention.must_exchange(forward_batch)
+    if not len(pending) and not exchanging:  # no hit since the last forward: nothing to do, nothing read
         return None
-    pool_rows = pool_rows_of(forward_batch)
-    rows = pending.take(pool_rows, list(forward_batch.extend_prefix_lens_cpu))
-    for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
-        visibility.record_hit(req, match.anchor, survival=None if match.exact else 1.0)
-        if metrics is not None:
-            metrics.observe_hit(match.exact)
-    batch = plan(runner, pool_rows, rows, config) if rows else None
+    batch = _plan_pending(runner, forward_batch, pending, config, metrics) if forward_batch.forward_mode.is_extend() \
+        else None
+    if exchanging:
+        exchange = dp_attention.exchange_rows(sum(batch.tail_lens) if batch is not None else 0)
+        if batch is None:
+            if exchange.total:
+                with own_token_counts():
+                    family.participate(runner.model.model, store.layout, exchange)
+            return None
+        batch.exchange = exchange
     if batch is None:
         return None
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Six checks, each raising with a message that names what to change:
+Seven checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
@@ -9,6 +9,7 @@ Six checks, each raising with a message that names what to change:
 - `check_anchor_prefill` (scheduler, same point): the linear-attention prefill kernel the model runner resolved is
   one the interval anchors are read from;
 - `check_speculative_family` (scheduler, same point): speculative decoding only on the families it is tested on;
+- `check_dp_attention_family` (scheduler, same point): attention DP only on the families whose replay is wired for it;
 - `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
@@ -35,8 +36,6 @@ SUPPORTED = {
                                "EAGLE draft trees are not tested (SGLang's CPU draft decode is a chain here)"),
     "speculative_draft_model_path": ((None,), "--speculative-draft-model-path",
                                      "a separate draft model is not tested (NEXTN's MTP head in the checkpoint is)"),
-    "enable_dp_attention": ((False,), "--enable-dp-attention", "its attention-TP groups are not wired into the replay"),
-    "attn_dp_size": ((1,), "--enable-dp-attention / --attn-dp-size", "attention data parallelism"),
     "attn_cp_size": ((1,), "--attn-cp-size", "context parallelism splits a sequence's KV and hiddens"),
     "dcp_size": ((1,), "--dcp-size", "decode context parallelism splits a sequence's KV"),
     "pp_size": ((1,), "--pp-size", "a pipeline stage holds only some groups' layers"),
@@ -58,10 +57,10 @@ SUPPORTED = {
     "enable_mixed_chunk": ((False,), "--enable-mixed-chunk", "mixed prefill/decode batches are not tested"),
     "enable_two_batch_overlap": ((False,), "--enable-two-batch-overlap", "split batches are not replayed"),
     "enable_single_batch_overlap": ((False,), "--enable-single-batch-overlap", "not tested"),
-    # The replay unbinds the outer batch's token count its MoE would otherwise be masked with
-    # (`replay.own_token_counts`), but expert-parallel SGLang does not run on the CPU route, so it is untested.
-    "ep_size": ((1,), "--ep-size", "expert parallelism is not tested (SGLang's EP MoE does not run on a CPU)"),
-    "moe_dp_size": ((1,), "--moe-dp-size", "MoE data parallelism: as --ep-size"),
+    # Attention DP (--enable-dp-attention / --attn-dp-size) and expert parallelism (--ep-size, the standard
+    # all-reduce dispatcher): the replay's feed-forward blocks run as one pass of every rank (`dp_attention.py`), and
+    # an EP MoE block's sum is completed with the TP all-reduce (tests/test_dp_attention.py); the family check is
+    # `check_dp_attention_family`. GPU-only all-to-all backends stay refused (moe_a2a_backend above).
     # The replay addresses the KV pool and the hidden store by the request's slot ids as the tree holds them.
     "enable_unified_memory": ((False,), "--enable-unified-memory", "slot ids become virtual (not replayed)"),
     "enable_page_major_kv_layout": ((False,), "--enable-page-major-kv-layout", "slot ids become virtual"),
@@ -139,6 +138,16 @@ def check_speculative_family(family, server_args) -> None:
         raise UnsupportedConfigError(
             f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN models (Qwen3.5, "
             f"Qwen3-Next) only; this model's recurrent layers are {family.name}")
+
+
+def check_dp_attention_family(family, server_args) -> None:
+    """Attention DP needs the family's replay to run its feed-forward blocks as one pass of every rank
+    (`Family.dp_attention`, `feed_forwards`): wired for GDN models (Qwen3.5 dense and MoE, Qwen3-Next)."""
+    attn_dp = getattr(server_args, "attn_dp_size", 1) or 1
+    if attn_dp > 1 and family is not None and not family.dp_attention:
+        raise UnsupportedConfigError(
+            f"--enable-dp-attention (attention DP size {attn_dp}) with --enable-tail-replay is supported on GDN "
+            f"models (Qwen3.5, Qwen3-Next); this model's recurrent layers are {family.name}")
 
 
 def check_anchor_prefill(family, backends) -> None:

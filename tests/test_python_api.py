@@ -52,9 +52,8 @@ def _keep_environment(monkeypatch):
     (dict(enable_tail_replay=True, tail_replay_anchor_interval=100), "--tail-replay-anchor-interval must be 0"),
     (dict(enable_tail_replay=True, disable_radix_cache=True), "does not support --disable-radix-cache"),
     (dict(enable_tail_replay=True, pp_size=2), "supports --pp-size 1 only"),
-    (dict(enable_tail_replay=True, enable_dp_attention=True), "does not support --enable-dp-attention"),
 ], ids=["ratio-range", "ratio-type", "mode", "min-tokens-type", "enable-type", "without-enable", "interval", "combo",
-        "pipeline", "dp-attention"])
+        "pipeline"])
 def test_bad_keyword_raises_naming_it_before_anything_starts(tiny_qwen35, keywords, message):
     import sglang
 

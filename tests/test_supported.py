@@ -36,12 +36,12 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
 
 @pytest.mark.parametrize("field, value", [
     ("page_size", 128),
-    ("enable_dp_attention", True), ("attn_dp_size", 2), ("disaggregation_mode", "encode"), ("enable_lora", True),
+    ("disaggregation_mode", "encode"), ("enable_lora", True),
     ("lora_paths", ["adapter"]),
     ("speculative_algorithm", "EAGLE3"), ("speculative_algorithm", "DFLASH"), ("speculative_eagle_topk", 4),
     ("speculative_draft_model_path", "draft"), ("enable_int8_mamba_checkpoint", True),
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),
-    ("ep_size", 2), ("moe_dp_size", 2), ("enable_unified_memory", True), ("enable_page_major_kv_layout", True),
+    ("enable_unified_memory", True), ("enable_page_major_kv_layout", True),
     ("enable_mis", True),
     ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "hf3fs"),
     ("hicache_host_memory_mode", "buffer_only"),
@@ -217,6 +217,26 @@ def test_speculative_decoding_only_on_tested_families(family, algorithm, refused
                                             SimpleNamespace(speculative_algorithm=algorithm))
     if refused:
         with pytest.raises(UnsupportedConfigError, match="--speculative-algorithm"):
+            call()
+    else:
+        call()
+
+
+@pytest.mark.parametrize("family, attn_dp, refused", [
+    ("gdn", 2, False), ("mamba2", 2, True), ("kda", 2, True), ("mamba2", 1, False), ("kda", 1, False)])
+def test_dp_attention_only_on_families_whose_replay_runs_under_it(family, attn_dp, refused):
+    """Attention DP needs the family's replay to run its feed-forward blocks as one pass of every rank: GDN only."""
+    from types import SimpleNamespace
+
+    import importlib
+
+    from tailreplay_sglang.families import MODULES
+    from tailreplay_sglang.supported import check_dp_attention_family
+
+    chosen = importlib.import_module(MODULES[family]).FAMILY
+    call = lambda: check_dp_attention_family(chosen, SimpleNamespace(attn_dp_size=attn_dp))  # noqa: E731
+    if refused:
+        with pytest.raises(UnsupportedConfigError, match="--enable-dp-attention .* GDN models"):
             call()
     else:
         call()

@@ -90,6 +90,20 @@ CPU_ENGINE = (
          f"{_PKG}.disaggregation:host_page_indices",
          "PD's prefill stages each chunk's page indices through pinned memory and a torch.cuda.Event for Mooncake's "
          "sender; on a CPU they are host tensors already (the numpy branch)"),
+    Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend", "call",
+         f"{_PKG}.dp_attention:install",
+         "DP attention pads each rank's batch and asks the attention backend for the padded rows' sequence length "
+         "(a CPU run: get_cpu_graph_seq_len_fill_value), which torch_native lacks"),
+    Hook(f"{_SRT}.managers.data_parallel_controller.DataParallelController.event_loop", "replace",
+         f"{_PKG}.dp_idle:event_loop",
+         "the data-parallel controller busy-polls its socket and keeps a core busy while idle; it blocks in poll"),
+    Hook(f"{_SRT}.managers.scheduler_components.idle_sleeper.IdleSleeper.maybe_sleep", "around",
+         f"{_PKG}.dp_idle:sleep_briefly_under_dp_attention",
+         "under attention DP an idle scheduler's one-second sleep stalls a peer's step (the request woke one group)"),
+    Hook(f"{_SRT}.distributed.parallel_state.GroupCoordinator.reduce_scatterv", "around",
+         f"{_PKG}.dp_attention:reduce_scatterv_on_cpu",
+         "DP attention with expert parallelism scatters each layer's output back to the DP groups with pynccl's "
+         "reduce_scatterv; on a CPU, SGLang's own all-reduce-and-slice form"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

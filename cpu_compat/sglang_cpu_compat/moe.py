@@ -5,6 +5,11 @@ On a CPU without AMX, `UnquantizedFusedMoEMethod.forward_cpu` runs `fused_moe_na
 never applies `moe_runner_config.routed_scaling_factor`; the Triton runner a GPU takes multiplies the routed sum by
 it (Kimi Linear's is 2.446): without it the routed experts' share of every MoE layer's output is off by that factor
 (what it costs against HF: docs/cpu.md).
+
+Under expert parallelism (`--ep-size`) the top-k ids are mapped to this rank's experts and a slot routed to another
+rank's expert holds -1; `moe_forward_native` scatters by id and fails on it ("index -1 is out of bounds"). Such a
+batch runs the local experts here (`local_experts`): each rank returns its experts' share, and the EP reduction
+sums them.
 """
 
 import torch
@@ -16,12 +21,40 @@ def scale_routed_output(original, layer, x, topk_output, moe_runner_config):
     not know (`relu2_experts`)."""
     if moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated:
         out = relu2_experts(layer, x, topk_output)
+    elif bool((topk_output.topk_ids < 0).any()):
+        out = local_experts(layer, x, topk_output, moe_runner_config)
     else:
         out = original(layer, x, topk_output, moe_runner_config)
     factor = moe_runner_config.routed_scaling_factor
     if factor is not None and factor != 1.0 and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
         out = out * factor
     return out
+
+
+def local_experts(layer, x, topk_output, moe_runner_config) -> torch.Tensor:
+    """The routed experts of this expert-parallel rank, gated as `moe_forward_native` runs them; slots routed to
+    another rank's expert (id -1) add nothing here."""
+    from sglang.srt.layers.activation import GeluAndMul, SiluAndMul
+
+    acts = {"silu": SiluAndMul, "gelu": GeluAndMul}
+    if moe_runner_config.activation not in acts or moe_runner_config.gemm1_alpha is not None:
+        raise NotImplementedError(f"expert parallelism on a CPU: activation {moe_runner_config.activation!r}")
+    act = acts[moe_runner_config.activation]()
+    weights, ids, _ = topk_output
+    w13_bias, w2_bias = getattr(layer, "w13_weight_bias", None), getattr(layer, "w2_weight_bias", None)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        if expert < 0:
+            continue
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        gate_up = F.linear(x[rows], layer.w13_weight[expert])
+        if w13_bias is not None:
+            gate_up = (gate_up.float() + w13_bias[expert]).to(x.dtype)
+        down = F.linear(act(gate_up), layer.w2_weight[expert]).float()
+        if w2_bias is not None:
+            down = down + w2_bias[expert]
+        out.index_add_(0, rows, down * weights[rows, slot, None].float())
+    return out.to(x.dtype)
 
 
 def relu2_experts(layer, x, topk_output) -> torch.Tensor:

@@ -17,6 +17,14 @@ class ReplayBatch:
     tail_lens: list[int]
     reqs: list
     log_survival: torch.Tensor | None = None  # [n] filled by the replay: max over layers and heads of the log-decays
+    # Under attention DP: every rank's replay rows this step (`dp_attention.py`), which the feed-forward blocks run on
+    exchange: object | None = None
+
+    def feed_forward(self, mlp, h: torch.Tensor) -> torch.Tensor:
+        """A feed-forward block (MLP or MoE) over this batch's rows `h`, its TP sum complete."""
+        if self.exchange is None:
+            return tp_reduced(mlp(h), reduction_owner(mlp))
+        return self.exchange.feed_forward(mlp, h, h.shape[-1], h.dtype, h.device, _ffn_reduce(mlp))
 
     def observe_decay(self, log_decay: torch.Tensor) -> None:
         """Fold one layer's log-decays [T, heads] into `log_survival` (the zero-init tail's survival bound)."""
@@ -41,6 +49,8 @@ class Family:
     # SGLang's linear-attention prefill backends (`--linear-attn-prefill-backend`) whose per-chunk states the
     # family's interval-anchor hooks read; None where the family's prefill does not go through that choice (Mamba2).
     anchor_prefill_backends: tuple[str, ...] | None = None
+    # The replay runs under attention DP: its feed-forward blocks as one pass of every rank (`feed_forwards`)
+    dp_attention: bool = False
 
     def anchor_grid(self, layout) -> int:
         """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""
@@ -58,6 +68,18 @@ class Family:
     def required(self, model, layout) -> list[tuple[object, str, str]]:
         """(object, dotted attribute path, where) of every model internal the capture and replay touch."""
         raise NotImplementedError
+
+    def feed_forwards(self, model, layout) -> list:
+        """Under attention DP (`dp_attention`): the feed-forward blocks a replay pass runs, in its order
+        (`participate`)."""
+        raise NotImplementedError
+
+    def participate(self, model, layout, exchange) -> None:
+        """Take part in a replay pass other ranks run, with no rows of this rank's own: the same feed-forward blocks
+        in the same order, so that their collectives pair up (`dp_attention.py`)."""
+        weight = model.embed_tokens.weight
+        for mlp in self.feed_forwards(model, layout):
+            exchange.feed_forward(mlp, None, weight.shape[-1], weight.dtype, weight.device, _ffn_reduce(mlp))
 
     def required_kernels(self) -> tuple[str, ...]:
         """`module:name` of every SGLang function the replay calls by name."""
@@ -92,15 +114,26 @@ def layer_requirements(model, layer_ids, paths, where: str = "model.layers") -> 
 
 def tp_reduced(partial: torch.Tensor, linear) -> torch.Tensor:
     """Output projections, MLPs and MoE blocks built with reduce_results=False leave the TP sum to the layer's
-    communicator in the model's forward. The replay calls them directly, so it reduces them itself; every rank
-    replays the same batch at the same point (TP schedulers run in lockstep), so the collectives pair up. A no-op
-    at TP 1 and for modules that reduce inside."""
+    communicator in the model's forward. The replay calls them directly, so it reduces them itself, over the group
+    the module is sharded on: a linear keeps it (`tp_group`: the attention-TP group for the mixers' projections
+    under attention DP, of size 1 at --tp N --dp N), a MoE block is sharded over the whole TP group. Every rank of
+    that group replays the same batch at the same point (TP schedulers run in lockstep; attention-TP peers hold one
+    DP group's batch), so the collectives pair up. A no-op at TP 1 and for modules that reduce inside."""
     if linear is None or getattr(linear, "reduce_results", True):
         return partial
+    group = getattr(linear, "tp_group", None)
+    if hasattr(group, "all_reduce"):  # a GroupCoordinator (a logical or replicated group is never a TP sum here)
+        return group.all_reduce(partial) if group.world_size > 1 else partial
     from sglang.srt.distributed.communication_op import tensor_model_parallel_all_reduce
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     return tensor_model_parallel_all_reduce(partial) if get_tensor_model_parallel_world_size() > 1 else partial
+
+
+def _ffn_reduce(mlp):
+    """The TP sum a feed-forward block's output still lacks, as a function (`tp_reduced` on its owner)."""
+    owner = reduction_owner(mlp)
+    return lambda partial: tp_reduced(partial, owner)
 
 
 def reduction_owner(mlp):

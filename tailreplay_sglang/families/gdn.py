@@ -16,7 +16,7 @@ bodies.
 import torch
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import (Family, ReplayBatch, layer_requirements, reduction_owner, tp_reduced)
+from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements, tp_reduced
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
 from tailreplay_sglang.ops.gdn import gdn_gating
 
@@ -31,6 +31,7 @@ _FEED_FORWARD = ("mlp", "post_attention_layernorm")
 class GdnFamily(Family):
     name = "gdn"
     anchor_prefill_backends = ("triton",)  # write_anchor_ssm_states wraps the Triton chunk kernel
+    dp_attention = True
 
     def install_capture(self, layers, store) -> list:
         return capture.at_mixer_inputs(layers, store, "linear_attn")
@@ -39,6 +40,10 @@ class GdnFamily(Family):
         for i, layer_id in enumerate(group.recurrent_layers):
             last = i == len(group.recurrent_layers) - 1
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
+
+    def feed_forwards(self, model, layout) -> list:
+        """Each group's layers but its last feed the next layer through their MLP or MoE (`replay_layer`)."""
+        return [model.layers[i].mlp for group in layout.groups for i in group.recurrent_layers[:-1]]
 
     def required(self, model, layout) -> list:
         needs = []
@@ -66,7 +71,7 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     if state_only:
         return None
     x = x + output(core)
-    return x + tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), reduction_owner(layer.mlp))
+    return x + batch.feed_forward(layer.mlp, layer.post_attention_layernorm(x))
 
 
 def gdn_inputs(la, h: torch.Tensor):

@@ -1,0 +1,155 @@
+"""Attention data parallelism and expert parallelism, stock and with Tail-Replay, on the CPU route.
+
+`--tp 2 --dp 2 --enable-dp-attention` gives each of two attention-DP groups its own scheduler, pools and radix tree
+(one TP rank each here: attention TP 1), while the MLP and MoE blocks are sharded over both ranks and run over both
+groups' rows at every step. `--tp 2 --ep-size 2` puts half the experts on each rank. One server at a time (the
+fixture is parametrized): each is two ranks on the two cores (`SGLANG_CPU_OMP_THREADS_BIND=0|1`).
+
+- stock: DP attention and EP together on tiny-qwen35-moe, greedy equal to HF (the CPU port's two fixes: the padded
+  rows' sequence length torch_native lacked, and EP's masked expert ids, `cpu_compat/.../{dp_attention,moe}.py`);
+- Tail-Replay under DP attention (MoE, anchored; dense, whole-prefix replay) and with EP: off-grid hits on each
+  group exact against no cache, the other group's tree its own, hits on both groups in one step, a hit on one
+  group while the other decodes (its replay's feed-forward collectives need every rank: `dp_attention.py`).
+"""
+
+import concurrent.futures
+import time
+
+import pytest
+
+from helpers import EXACT_FLAGS, Spec, assert_exact, generate, no_cache, random_ids, scored, start_servers
+import requests
+
+from soak import POOLS_KEY, pool_leaks, wait_idle
+from tailreplay_eval.reference import greedy_generate
+from tailreplay_eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+DPA = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+EP = ("--tp-size", "2", "--ep-size", "2")
+ANCHORED = ("--enable-tail-replay", "--tail-replay-anchor-interval", "64", "--tail-replay-fold-tokens", "0",
+            "--enable-cache-report", "--dtype", "float32")
+SERVERS = {
+    "stock-dpa-ep": ("tiny_qwen35_moe", (*DPA, "--ep-size", "2", "--enable-cache-report")),
+    "tr-dpa-moe": ("tiny_qwen35_moe", (*DPA, *ANCHORED)),
+    "tr-dpa-dense": ("tiny_qwen35", (*DPA, *EXACT_FLAGS)),  # the whole prefix replayed: every layer's MLP
+    "tr-ep": ("tiny_qwen35_moe", (*EP, *ANCHORED)),
+}
+NEW = 8
+SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
+          "while a young engineer repaired a broken window in the library because the mayor ordered it")
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """One server of SERVERS at a time: each test names the servers it runs on (`on_servers`), and pytest runs one
+    server's tests before it starts the next."""
+    model_fixture, flags = SERVERS[request.param]
+    model = request.getfixturevalue(model_fixture)
+    servers = start_servers(tmp_path_factory, {request.param: Spec(model, flags, TWO_RANKS)})
+    try:
+        srv = next(servers)[request.param]
+        srv.name = request.param
+        yield srv
+    finally:
+        servers.close()
+
+
+def on_servers(*names):
+    return pytest.mark.parametrize("server", names, indirect=True, scope="module")
+
+
+def groups(server) -> tuple[int, ...]:
+    return (0, 1) if "dpa" in server.name else (None,)
+
+
+def leaks_in_every_group(server) -> list[list[str]]:
+    """Each DP group's pools once idle (`/server_info` reports every group's scheduler): the violations per group."""
+    wait_idle(server.base_url)
+    states = requests.get(f"{server.base_url}/server_info", timeout=60).json()["internal_states"]
+    assert len(states) == len(groups(server))
+    return [pool_leaks(state[POOLS_KEY]) for state in states]
+
+
+def on(server, rank, ids, max_new=NEW, **extra):
+    """`generate` pinned to an attention-DP group (`routed_dp_rank`), checked to have run there."""
+    routed = {} if rank is None else {"routed_dp_rank": rank}
+    out = generate(server, ids, max_new, **routed, **extra)
+    if rank is not None:
+        assert out["meta_info"]["dp_rank"] == rank
+    return out
+
+
+@on_servers("stock-dpa-ep")
+def test_stock_dp_attention_with_expert_parallelism_equals_hf(server, hf_qwen35_moe):
+    """Each group serves SGLang's own forward: greedy equal to HF's on a cold prompt and on a prefix hit (stock's
+    own hit at the state where a request ended), on both groups."""
+    model, tok = hf_qwen35_moe
+    flush_cache(server.base_url)
+    system = tok(SYSTEM).input_ids
+    question = system + tok(" what happened first?").input_ids
+    for rank in (0, 1):
+        cold = on(server, rank, system)
+        assert cold["meta_info"]["cached_tokens"] == 0
+        assert cold["output_ids"] == greedy_generate(model, system, NEW)
+        resend = on(server, rank, question)
+        assert resend["output_ids"] == greedy_generate(model, question, NEW)
+
+
+@on_servers("tr-dpa-moe", "tr-dpa-dense", "tr-ep")
+def test_cold_prompts_equal_hf(server, request):
+    """The servers with Tail-Replay serve a cold prompt as SGLang does: greedy equal to HF's on every group."""
+    model, tok = request.getfixturevalue("hf_qwen35" if "dense" in server.name else "hf_qwen35_moe")
+    flush_cache(server.base_url)
+    ids = tok(SYSTEM + " who repaired the window?").input_ids
+    for rank in groups(server):
+        assert on(server, rank, ids)["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+@on_servers("tr-dpa-moe", "tr-dpa-dense", "tr-ep")
+@pytest.mark.parametrize("cut", [150, 237])
+def test_off_grid_hits_on_each_group_are_exact(server, cut):
+    """A fork at a token no request or chunk ended at, on each group: it hits that group's own copy of the
+    prefix (the other group's tree has none of it), replays its tail from an interval anchor (or, on the
+    whole-prefix server, the whole prefix) with every rank in the feed-forward blocks, and equals no cache."""
+    base = random_ids(300, seed=cut)
+    fork = base[:cut] + random_ids(12, seed=cut + 1)
+    for rank in groups(server):
+        flush_cache(server.base_url)
+        on(server, rank, base, 1)
+        hit = scored(server, fork, cut, **({} if rank is None else {"routed_dp_rank": rank}))
+        meta = hit["meta"]
+        assert meta["cached_tokens"] == cut and meta["tail_replay_exact"] is True, meta
+        assert meta["tail_replay_tokens"] == (cut if "dense" in server.name else cut - meta["tail_replay_anchor"])
+        assert meta["tail_replay_tokens"] > 0, meta
+        if rank is not None:
+            assert on(server, 1 - rank, fork, 1)["meta_info"]["cached_tokens"] == 0  # not in the other tree
+        reference = no_cache(server, fork, cut, **({} if rank is None else {"routed_dp_rank": rank}))
+        assert_exact(hit, reference)
+    assert leaks_in_every_group(server) == [[]] * len(groups(server))
+
+
+@on_servers("tr-dpa-moe", "tr-dpa-dense")
+def test_hits_on_both_groups_at_once_and_a_hit_beside_a_decode(server):
+    """Hits on both groups in flight together (their replays in one step or in consecutive ones: each rank's pass
+    takes the other's rows through the feed-forward blocks), then a hit on group 0 while group 1 decodes a long
+    answer (group 1 takes part in the replay pass from its decode step). Every hit exact against no cache."""
+    bases = [random_ids(300, seed=40 + rank) for rank in (0, 1)]
+    forks = [b[:200] + random_ids(10, seed=50 + rank) for rank, b in enumerate(bases)]
+    flush_cache(server.base_url)
+    for rank in (0, 1):
+        on(server, rank, bases[rank], 1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hits = list(pool.map(lambda rank: scored(server, forks[rank], 200, routed_dp_rank=rank), (0, 1)))
+        long = pool.submit(on, server, 1, random_ids(50, seed=60), 80)
+        time.sleep(0.5)  # group 1 is decoding
+        beside = scored(server, bases[0][:250] + [7, 8], 250, routed_dp_rank=0)
+        assert len(long.result()["output_ids"]) == 80
+    assert all(h["meta"]["cached_tokens"] == 200 and h["meta"]["tail_replay_exact"] for h in hits)
+    assert beside["meta"]["cached_tokens"] == 250 and beside["meta"]["tail_replay_tokens"] > 0
+    for rank, hit in enumerate(hits):
+        assert_exact(hit, no_cache(server, forks[rank], 200, routed_dp_rank=rank))
+    assert_exact(beside, no_cache(server, bases[0][:250] + [7, 8], 250, routed_dp_rank=0))
+    assert leaks_in_every_group(server) == [[]] * len(groups(server))
