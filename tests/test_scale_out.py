@@ -31,9 +31,9 @@ def tp_servers(tiny_qwen35, tiny_qwen35_moe, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp_server(tiny_qwen35, tmp_path_factory):
     """DP 2 with anchored replay (the defaults, interval anchors every 64 tokens, every span replayed rather than
-    folded into the extend) on both ranks. Started only for the DP tests, after the TP ones: SGLang's data-parallel
-    controller polls its sockets without sleeping, a whole core of two, which slowed every TP request about
-    twofold while it ran beside them (--sleep-on-idle quiets the schedulers only)."""
+    folded into the extend) on both ranks. Started only for the DP tests, after the TP ones (SGLang's data-parallel
+    controller busy-polled a whole core of two, which slowed every TP request about twofold while it ran beside
+    them; the CPU port now blocks it in poll, `sglang_cpu_compat/dp_idle.py`)."""
     yield from start_server(tiny_qwen35, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval",
                             "64", "--tail-replay-fold-tokens", "0", "--dp-size", "2", env=TWO_RANKS)
 
