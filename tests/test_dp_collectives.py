@@ -1,0 +1,106 @@
+"""The replay's collectives under attention DP (`tailreplay_sglang/dp_attention.py`) without a server: the row exchange
+on two gloo processes against one process, and the SGLang facts the design rests on (GPU by construction), pinned on
+SGLang 0.5.23's source. The servers that run it: tests/test_dp_attention.py."""
+
+import inspect
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tailreplay_eval.server import free_port
+
+HIDDEN, INNER = 8, 12
+
+
+def _sharded_mlp(rank: int, world: int):
+    """A dense MLP as SGLang shards it over TP: up projection column-parallel, down projection row-parallel, its TP
+    sum left to the caller (reduce_results=False). Rank r's shard of one seeded full MLP."""
+    gen = torch.Generator().manual_seed(0)
+    up, down = torch.randn(INNER, HIDDEN, generator=gen), torch.randn(HIDDEN, INNER, generator=gen)
+    cols = slice(rank * INNER // world, (rank + 1) * INNER // world)
+    return lambda x: torch.relu(x @ up[cols].T) @ down[:, cols].T, lambda x: torch.relu(x @ up.T) @ down.T
+
+
+class _Group:
+    """What the exchange uses of SGLang's TP GroupCoordinator, over the default gloo group."""
+
+    def __init__(self, rank, world):
+        self.rank_in_group, self.world_size, self.cpu_group = rank, world, dist.group.WORLD
+
+    def all_reduce(self, t):
+        dist.all_reduce(t)
+        return t
+
+
+ROWS = ([3, 5], [4, 0], [0, 2])  # replay rows per rank, one exchange each: both replay, one only takes part
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import sglang.srt.runtime_context as runtime_context
+
+    from tailreplay_sglang import dp_attention
+
+    parallel = SimpleNamespace(attn_tp_rank=0, tp_group=_Group(rank, world))
+    runtime_context.get_parallel = lambda: parallel
+    block, _ = _sharded_mlp(rank, world)
+    results = []
+    for case, rows in enumerate(ROWS):
+        h = torch.randn(rows[rank], HIDDEN, generator=torch.Generator().manual_seed(10 * case + rank))
+        exchange = dp_attention.exchange_rows(rows[rank])
+        reduce = lambda partial: parallel.tp_group.all_reduce(partial)  # noqa: E731
+        out = exchange.feed_forward(block, h if rows[rank] else None, HIDDEN, torch.float32, "cpu", reduce)
+        results.append({"counts": exchange.counts, "h": h, "out": out})
+    torch.save(results, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_each_rank_gets_its_own_rows_of_the_block_over_every_ranks_rows(tmp_path):
+    """Two ranks, each with its own replay rows (or none: it takes part only), in three exchanges one after the
+    other: every rank's rows come back as the whole (unsharded) block computes them, and a rank with none gets
+    none."""
+    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    _, full = _sharded_mlp(0, 1)
+    for rank in range(2):
+        for rows, got in zip(ROWS, torch.load(tmp_path / f"{rank}.pt")):
+            assert got["counts"] == rows
+            assert got["out"].shape == (rows[rank], HIDDEN)
+            torch.testing.assert_close(got["out"], full(got["h"]), rtol=1e-5, atol=1e-5)
+
+
+def _source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def test_no_rank_takes_the_decode_graph_in_a_step_with_an_extend():
+    """A replay pass needs every rank at the replay point, which the decode graph skips. SGLang takes the decode
+    graph under DP attention only where every rank votes for it (the minimum of the step's all-gathered votes), and
+    a rank with an extend batch votes against; the step's extend flag is the maximum, the same on every rank."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    vote = dp_attn._local_decode_cuda_graph_vote
+    assert vote(local_batch=SimpleNamespace(forward_mode=ForwardMode.EXTEND), disable_cuda_graph=False) is False
+    assert vote(local_batch=SimpleNamespace(forward_mode=ForwardMode.DECODE), disable_cuda_graph=False) is True
+    gather = _source(dp_attn.MLPSyncBatchInfo)
+    assert "self.can_run_decode_cuda_graph = bool(tp0_info_cpu[:, 2].min())" in gather
+    assert "self.is_extend_in_batch = bool(tp0_info_cpu[:, 3].max())" in gather
+    assert "forward_batch.can_run_decode_cuda_graph if self.require_mlp_sync else True" in " ".join(
+        _source(DecodeCudaGraphRunner).split())
+
+
+def test_every_eager_forward_passes_the_replay_point():
+    """`_forward_raw` returns before the replay point (after SGLang's deferred mamba copy) on the decode graph path
+    only: extend, idle and eager decode batches all reach it."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    forward = _source(ModelRunner._forward_raw)
+    replay_point = forward.index("self._maybe_execute_deferred_mamba_cow_and_clear(forward_batch)")
+    before = forward[:replay_point]
+    assert before.count("return ") == 1
+    assert before.index("if can_run_graph:") < before.index("return ") < before.index("_prepare_eager_forward_batch")
