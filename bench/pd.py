@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 from tailreplay_eval import harness
 from tailreplay_eval.client import document_clients, stream_generate
 from tailreplay_eval.memory import account, device_bytes_per_token
+from tailreplay_eval.prefix_traffic import add_traffic_args
 from tailreplay_eval.server import (PD_ENV, PDRouterProcess, ServerProcess, flush_cache, free_port, pd_decode_args,
                                     pd_prefill_args)
 
@@ -154,10 +155,7 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap, "pd.json")
-    ap.add_argument("--clients", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=4, help="questions per client (rounds, in multi-turn)")
-    ap.add_argument("--system-words", type=int, default=600)
-    ap.add_argument("--gen-tokens", type=int, default=16)
+    add_traffic_args(ap, clients=2)
     ap.add_argument("--kv-tokens", type=int, default=16384, help="the stock prefill server's KV pool, in tokens")
     args = ap.parse_args(argv)
     run = harness.Run.begin(args)

@@ -10,8 +10,8 @@ from it, the share of cached tokens in hits labelled exact and the store's alloc
 `--workers` Tail-Replay workers start together, then (after them) as many stock workers (`CPU_FLAGS` plus
 `--server-args`; worker i of each kind pinned to core i mod the cores with `SGLANG_CPU_OMP_THREADS_BIND`), with a
 router (`python -m sglang_router.launch_router`, pinned in requirements/) per {Tail-Replay, stock} workers x
-{cache_aware, round_robin} in front of them. Each shape runs through each router in turn, from flushed caches, with
-`--clients` clients at once, each with its own prefix (so prefixes differ between clients):
+{cache_aware, round_robin} in front of them. Each shape of `tailreplay_eval/prefix_traffic.py` runs through each
+router in turn, from flushed caches, with `--clients` clients at once, each with its own prefix:
 - shared prefix: each client sends `--requests` questions on its own system prompt, one after the other;
 - multi-turn: each client holds a `--requests`-round conversation over its own document, answers fed back as text.
 Prompts go out as text (the router's cache-aware policy matches text) over streaming /generate.
@@ -22,123 +22,24 @@ and prompt tokens/s over the shape's wall time. Writes a JSON and a PNG next to 
 """
 
 import argparse
-import json
 import os
-import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import numpy as np
-import requests
 from rich.console import Console
-from rich.table import Table
 from transformers import AutoTokenizer
 
 from tailreplay_eval import harness
-from tailreplay_eval.client import document_clients, stream_generate
 from tailreplay_eval.mooncake_store import MooncakeMaster, server_flags
-from tailreplay_eval.server import RouterProcess, flush_cache
+from tailreplay_eval.prefix_traffic import SHAPES, add_traffic_args, run_shape, table, write_results
+from tailreplay_eval.server import RouterProcess
 
 WORKERS = {"Tail-Replay": ("--enable-tail-replay",), "stock": ()}
 POLICIES = ("cache_aware", "round_robin")
 
 
-SHAPES = {"shared prefix": False, "multi-turn": True}  # shape -> whether answers are fed back (conversation)
-
-
-def run_shape(router_url: str, workers: list[str], conversation: bool, tok, args, store=None) -> dict:
-    for url in workers:
-        flush_cache(url)
-    if store is not None:  # SGLang's endpoint empties the whole store, every client's pages
-        requests.post(f"{workers[0]}/hicache/storage-backend/clear", timeout=60).raise_for_status()
-    seen, records, lock = harness.Seen(), [], threading.Lock()
-
-    def client(prefix_and_questions):
-        prefix, questions = prefix_and_questions
-        history = ""
-        for question in questions:
-            text = f"{prefix}{history}\nUser: {question}\nAssistant:"
-            ids = tok(text).input_ids
-            matchable = seen.matchable(ids)
-            out = stream_generate(router_url, text, args.gen_tokens)
-            seen.add(ids, out["output_ids"])
-            if conversation:
-                history += f"\nUser: {question}\nAssistant:" + tok.decode(out["output_ids"])
-            meta = out["meta_info"]
-            with lock:
-                records.append({"prompt_tokens": len(ids), "matchable": matchable,
-                                "cached": meta["cached_tokens"], "ttft_s": out["ttft_s"],
-                                "served_prompt_tokens": meta["prompt_tokens"],
-                                # stock rebuilds a hit from a stored state only: exact by construction
-                                "exact": meta.get("tail_replay_exact", True),
-                                "storage": (meta.get("cached_tokens_details") or {}).get("storage", 0)})
-
-    started = time.perf_counter()
-    work = document_clients(args.clients, args.requests, args.system_words, seed=200 if conversation else 100)
-    with ThreadPoolExecutor(len(work)) as pool:
-        list(pool.map(client, work))
-    wall = time.perf_counter() - started
-    ttfts = [r["ttft_s"] for r in records]
-    return {"requests": len(records), "wall_s": wall, "prompt_tokens": sum(r["prompt_tokens"] for r in records),
-            "matchable": sum(r["matchable"] for r in records), "cached": sum(r["cached"] for r in records),
-            "exact_cached": sum(r["cached"] for r in records if r["exact"]),
-            "storage": sum(r["storage"] for r in records),
-            "store_bytes": store.metric("master_allocated_bytes") if store is not None else None,
-            "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
-            "requests_per_s": len(records) / wall,
-            "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in records) / wall, "records": records}
-
-
-def table(results: dict, title: str, l3: bool) -> Table:
-    t = Table(title=title)
-    store_cols = ("from L3", "exact share", "store MiB") if l3 else ()
-    for col in ("shape", "workers", "policy", "cached / matchable", *store_cols, "TTFT p50 (s)", "TTFT p99 (s)",
-                "requests/s", "prompt tokens/s"):
-        t.add_column(col, justify="right")
-    for shape, by_config in results.items():
-        for (workers, policy), r in by_config.items():
-            reuse = r["cached"] / r["matchable"] if r["matchable"] else 0.0
-            store = (f"{r['storage']:,}", f"{100 * r['exact_cached'] / max(r['cached'], 1):.1f} %",
-                     f"{r['store_bytes'] / 2**20:.1f}") if l3 else ()
-            t.add_row(shape, workers, policy, f"{r['cached']:,} / {r['matchable']:,} ({100 * reuse:.1f} %)", *store,
-                      f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}", f"{r['requests_per_s']:.2f}",
-                      f"{r['prompt_tokens_per_s']:,.0f}")
-    return t
-
-
-def plot(results: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (metric, label) in zip(axes, (("reuse", "cached / matchable (%)"), ("ttft_p50_s", "TTFT p50 (s)"))):
-        configs = list(next(iter(results.values())))
-        width = 0.8 / len(configs)
-        for i, config in enumerate(configs):
-            values = []
-            for by_config in results.values():
-                r = by_config[config]
-                values.append(100 * r["cached"] / max(r["matchable"], 1) if metric == "reuse" else r[metric])
-            ax.bar(np.arange(len(results)) + i * width, values, width, label=" / ".join(config))
-        ax.set_xticks(np.arange(len(results)) + width * (len(configs) - 1) / 2, list(results))
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{title} (2-core CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap, "router.json")
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=4, help="questions per client (rounds, in multi-turn)")
-    ap.add_argument("--system-words", type=int, default=1200)
-    ap.add_argument("--gen-tokens", type=int, default=16)
+    add_traffic_args(ap, system_words=1200)
     ap.add_argument("--workers", type=int, default=2, help="workers of each kind")
     ap.add_argument("--l3", choices=("none", "mooncake"), default="none",
                     help="mooncake: each kind's workers share a Mooncake store as HiCache's L3")
@@ -178,17 +79,8 @@ def main() -> None:
         finally:
             if master is not None:
                 master.stop()
-    console.print(table(results, title, args.l3 != "none"))
-    plot(results, run.out.with_suffix(".png"), title)
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine_before": run.machine_before,
-              "machine_after": harness.machine(), "elapsed_s": run.elapsed(), "model": str(run.model_path),
-              "server_args": run.server_args, "workload": {k: getattr(args, k) for k in
-                                                           ("clients", "requests", "system_words", "gen_tokens",
-                                                            "workers", "l3")},
-              "results": {shape: {" / ".join(c): r for c, r in by_config.items()}
-                          for shape, by_config in results.items()}}
-    run.out.write_text(json.dumps(record, indent=1))
-    console.print(f"wrote {run.out} and {run.out.with_suffix('.png')}")
+    console.print(table(results, title, ("workers", "policy"), args.l3 != "none"))
+    write_results(run, args, results, title, console, run.server_args, extra_keys=("workers", "l3"))
 
 
 if __name__ == "__main__":
