@@ -62,14 +62,18 @@ def load_bench(name: str):
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only SGLang plugin (fault injection)
 
 
-def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False) -> dict:
+def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False,
+               raise_on_rid: bool = False) -> dict:
     """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
     replay pass that ran is held for `replay_delay_s`, and logged to `events` (read with `FaultEvents`) first; with
-    `cut_prefixes`, a request with rid `cut<N>-...` extends from at most N tokens, whatever its match planned."""
+    `cut_prefixes`, a request with rid `cut<N>-...` extends from at most N tokens, whatever its match planned; with
+    `raise_on_rid`, the replay pass that served a request with rid `raise-...` raises once it ran."""
     path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
     if cut_prefixes:
         env["TAILREPLAY_FAULT_CUT_PREFIX"] = "1"  # its CUT_ENV
+    if raise_on_rid:
+        env["TAILREPLAY_FAULT_RAISE"] = "1"  # its RAISE_ENV
     return {**env, "TAILREPLAY_FAULT_EVENTS": str(events)} if events else env  # its EVENTS_ENV
 
 

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from helpers import EXACT_FLAGS, Spec, assert_exact, generate, no_cache, random_ids, scored, start_servers
+from helpers import (EXACT_FLAGS, FaultEvents, Spec, assert_exact, faults_env, generate, generate_response, no_cache,
+                     random_ids, scored, start_servers)
 import requests
 
 from soak import POOLS_KEY, pool_leaks, wait_idle
@@ -38,17 +39,25 @@ SERVERS = {
     "tr-ep": ("tiny_qwen35_moe", (*EP, *ANCHORED)),
 }
 NEW = 8
+REPLAY_DELAY_S = 0.3
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory):
+def events(tmp_path_factory) -> FaultEvents:
+    return FaultEvents(tmp_path_factory.mktemp("faults") / "held.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, events):
     """One server of SERVERS at a time: each test names the servers it runs on (`on_servers`), and pytest runs one
-    server's tests before it starts the next."""
+    server's tests before it starts the next. tr-dpa-moe carries the fault plugin."""
     model_fixture, flags = SERVERS[request.param]
     model = request.getfixturevalue(model_fixture)
-    servers = start_servers(tmp_path_factory, {request.param: Spec(model, flags, TWO_RANKS)})
+    env = {**TWO_RANKS, **faults_env(REPLAY_DELAY_S, events.path, raise_on_rid=True)} \
+        if request.param == "tr-dpa-moe" else TWO_RANKS
+    servers = start_servers(tmp_path_factory, {request.param: Spec(model, flags, env)})
     try:
         srv = next(servers)[request.param]
         srv.name = request.param
@@ -153,3 +162,50 @@ def test_hits_on_both_groups_at_once_and_a_hit_beside_a_decode(server):
         assert_exact(hit, no_cache(server, forks[rank], 200, routed_dp_rank=rank))
     assert_exact(beside, no_cache(server, bases[0][:250] + [7, 8], 250, routed_dp_rank=0))
     assert leaks_in_every_group(server) == [[]] * len(groups(server))
+
+
+@on_servers("tr-dpa-moe")
+def test_an_abort_and_a_flush_while_a_group_replays_leave_every_groups_pools_whole(server, events):
+    """Group 1's replay pass is held (the fault plugin) while its request is aborted and the cache flush is asked
+    for; group 0 serves meanwhile. Afterwards both groups' pools are whole and a hit on each is exact."""
+    base = random_ids(300, seed=70)
+    flush_cache(server.base_url)
+    for rank in (0, 1):
+        on(server, rank, base, 1)
+    fork = base[:210] + random_ids(10, seed=71)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    held = pool.submit(generate_response, server, fork, 40, routed_dp_rank=1, rid="held-abort")
+    events.wait_held("held-abort")
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)  # refused or done: either leaves the pools whole
+    while not held.done():  # SGLang ignores an abort that reaches it before the request does
+        requests.post(f"{server.base_url}/abort_request", json={"rid": "held-abort"}, timeout=30)
+        time.sleep(0.02)
+    beside = pool.submit(on, server, 0, random_ids(40, seed=72), 4)
+    assert len(beside.result()["output_ids"]) == 4
+    pool.shutdown()
+    assert held.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert leaks_in_every_group(server) == [[], []]
+    for rank in (0, 1):
+        on(server, rank, base, 1)
+        hit = scored(server, fork, 210, routed_dp_rank=rank)
+        assert hit["meta"]["cached_tokens"] == 210 and hit["meta"]["tail_replay_exact"] is True
+        assert_exact(hit, no_cache(server, fork, 210, routed_dp_rank=rank))
+
+
+@on_servers("tr-dpa-moe")
+def test_a_replay_that_raises_on_one_rank_stops_the_server_with_the_error(server):
+    """The last test on this server. Group 1's replay pass raises after it ran; group 0 is then inside the step's
+    collectives with a peer that will never come. SGLang's supervision stops every process (fails closed) within
+    seconds, the error in the log, instead of a hang."""
+    base = random_ids(300, seed=80)
+    on(server, 1, base, 1)
+    try:
+        response = generate_response(server, base[:200] + [7, 8], 4, routed_dp_rank=1, rid="raise-on-group-1")
+        assert response.status_code != 200, response.text
+    except requests.ConnectionError:
+        pass  # the server went away first
+    deadline = time.monotonic() + 60
+    while server.proc.poll() is None:
+        assert time.monotonic() < deadline, "the server still runs a minute after a rank's replay raised"
+        time.sleep(0.5)
+    assert "ReplayFault: injected replay fault for ['raise-on-group-1']" in server.log_path.read_text()

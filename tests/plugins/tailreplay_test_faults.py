@@ -11,6 +11,8 @@ renamed SGLang model internal would be missing. With `TAILREPLAY_FAULT_CUT_PREFI
 starts with `cut<N>-` extends from at most N tokens although its match planned for more (its prefix cut after the
 match, before the batch's `prepare_for_extend`, the tree lock kept): the scheduler settling on a shorter prefix than
 the one the match planned for, which Tail-Replay answers by retargeting the hit (`cache/request.py: retarget`).
+With `TAILREPLAY_FAULT_RAISE` set, a replay pass that served a request whose rid starts with `raise-` raises
+`ReplayFault` once it has run (on that request's rank only: a fault on one rank of a DP-attention server).
 """
 
 import json
@@ -26,6 +28,11 @@ LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool" 
 CUT_ENV = "TAILREPLAY_FAULT_CUT_PREFIX"
 EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 CUT_RID = re.compile(r"cut(\d+)-")
+RAISE_ENV = "TAILREPLAY_FAULT_RAISE"
+
+
+class ReplayFault(RuntimeError):
+    """The injected failure of a replay pass (`TAILREPLAY_FAULT_RAISE`)."""
 
 
 def register() -> None:
@@ -35,6 +42,8 @@ def register() -> None:
         HookRegistry.register(LOADED, drop_model_attr, HookType.BEFORE)
     if os.environ.get(CUT_ENV):
         HookRegistry.register(EXTEND, cut_prefixes, HookType.BEFORE)
+    if os.environ.get(RAISE_ENV):
+        HookRegistry.register(TARGET, raise_after_replay, HookType.AFTER)
     delay = float(os.environ.get(DELAY_ENV, "0"))
     if delay <= 0:
         return
@@ -72,3 +81,11 @@ def cut_prefixes(batch, *args, **kwargs):
         cut = CUT_RID.match(str(req.rid))
         if cut and not req.kv.holds_kv and req.prefix_len > int(cut[1]):
             req.prefix_len = req.kv.cache_protected_len = int(cut[1])
+
+
+def raise_after_replay(result, *args, **kwargs):
+    """Fail the replay pass that served a `raise-` request, after it ran."""
+    rids = [str(req.rid) for req in result.reqs] if result is not None else []
+    if any(rid.startswith("raise-") for rid in rids):
+        raise ReplayFault(f"injected replay fault for {rids}")
+    return result
