@@ -212,9 +212,10 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
     supported.check_dp_attention_family(runtime.family, ctx.server_args)
     from sglang.srt.runtime_context import get_exec
 
-    supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config,
-                                     on_cuda=str(ctx.tp_worker.model_runner.device).startswith("cuda"))
+    on_cuda = str(ctx.tp_worker.model_runner.device).startswith("cuda")
+    supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config, on_cuda=on_cuda)
     if runtime.interval_anchors is not None:
+        supported.check_anchor_graphs(runtime.family, get_exec().graph.cuda_graph_config, on_cuda=on_cuda)
         supported.check_anchor_prefill(runtime.family, getattr(ctx.tp_worker.model_runner, "linear_attn_backends",
                                                                None))
     hooks.verify_applied(runtime)

@@ -1,6 +1,6 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Seven checks, each raising with a message that names what to change:
+Eight checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
@@ -11,6 +11,7 @@ Seven checks, each raising with a message that names what to change:
 - `check_speculative_family` (scheduler, same point): speculative decoding only on the families it is tested on;
 - `check_dp_attention_family` (scheduler, same point): attention DP only on the families whose replay is wired for it;
 - `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
+- `check_anchor_graphs` (scheduler, same point): no prefill graph captures the extend interval anchors are written in;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
 """
@@ -71,6 +72,9 @@ SUPPORTED = {
                                 "the hidden pages go through SGLang's page API, tested with `file` and `mooncake`"),
     "enable_pdmux": ((False,), "--enable-pdmux", "prefill/decode multiplexing is not tested"),
     "enable_mis": ((False,), "--enable-mis", "multi-item scoring turns the radix cache off"),
+    # dynamo would trace the capture hooks (index_put into the store from inside a compiled decode graph): untested
+    "enable_torch_compile": ((False,), "--enable-torch-compile",
+                             "the capture hooks under torch.compile are not tested"),
     "enable_linear_replayssm": ((False,), "--enable-linear-replayssm", "SGLang's own recurrent-state replay"),
     "enable_linear_replayssm_spec": ((False,), "--enable-linear-replayssm-spec", "SGLang's own recurrent-state replay"),
     "mamba_max_states_per_path": ((-1,), "--mamba-max-states-per-path",
@@ -180,6 +184,24 @@ def check_host_tier_graphs(hidden_tier: str | None, graph_config, on_cuda: bool)
             "--tail-replay-hidden-tier host needs CUDA graphs off in every phase (its write-back cannot be captured); "
             "resolved: " + ", ".join(f"{phase} {backend}" for phase, backend in captured.items())
             + ". Pass --disable-cuda-graph without --cuda-graph-backend-decode/-prefill, or use the device tier")
+
+
+def check_anchor_graphs(family, graph_config, on_cuda: bool) -> None:
+    """Interval anchors are written by hooks on the linear-attention extend (the conv and the chunked prefill); a
+    prefill CUDA graph that captures that extend runs them once, at capture, and never at replay, so every planned
+    anchor would be evicted for and then dropped. SGLang's default breakable prefill graph runs the GDN extend
+    eagerly between its segments; the `full` backend captures it, and so does the breakable one for KDA, whose
+    extend runs in the graph (GPU path review N4). Called with interval anchors on."""
+    if not on_cuda or graph_config is None or family is None:
+        return
+    backend = getattr(graph_config.prefill.backend, "value", graph_config.prefill.backend)
+    captured = {"full"} | ({"breakable"} if family.name == "kda" else set())
+    if backend in captured:
+        raise UnsupportedConfigError(
+            f"--cuda-graph-backend-prefill {backend} captures the {family.name} extend, where Tail-Replay's interval "
+            f"anchors are written (resolved: prefill {backend}); use "
+            f"{'--disable-prefill-cuda-graph' if family.name == 'kda' else '--cuda-graph-backend-prefill breakable'}, "
+            f"or --tail-replay-anchor-interval 0")
 
 
 def check_resolved(server_args) -> None:

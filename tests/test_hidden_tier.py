@@ -163,6 +163,37 @@ def test_host_tier_read_waits_for_pending_write_backs():
     assert store.pending_write_backs() == 0
 
 
+def test_host_tier_move_stays_on_the_host_after_draining(tmp_path):
+    """N3 (GPU path review): a move on the host tier reads rows into host memory; handing them to the write-back,
+    whose copies start from the device, made it call `record_stream` on a host tensor (NotImplementedError on any
+    GPU, at NGRAM's first verify). The move drains the earlier write-backs, copies in place and submits nothing."""
+    store = HiddenStore(LAYOUT, 8, torch.float32, "cpu", "host")
+    store.write_back = wb = _ScriptedWriteBack()
+    store.write_hidden(8, torch.tensor([2, 3]), torch.tensor([[5.0] * 16, [6.0] * 16]))
+    assert len(wb) == 1  # still on its way
+    store.move(torch.tensor([0, 1]), torch.tensor([2, 3]))
+    assert len(wb.events) == 1 and len(wb) == 0  # drained, and the move launched no copy of its own
+    assert store.read_hidden(8, torch.tensor([0, 1]))[:, 0].tolist() == [5.0, 6.0]
+
+
+def test_hicache_host_twin_drains_the_write_back_before_it_copies():
+    """N2: on the host tier the last forwards' rows may still be queued for the store when HiCache backs their KV up;
+    the host twin drains the queue first, so the host copy (and L3 after it) holds those rows, not the slots' old
+    ones. A load-back drains too, so no older write-back lands on the rows it brought."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    store = HiddenStore(LAYOUT, 8, torch.float32, "cpu", "host")
+    store.write_back = _ScriptedWriteBack()
+    host = HiddenHostPool(store, 8, 1)
+    store.write_hidden(4, torch.tensor([4]), torch.full((1, 16), 7.0))  # layer 4: row 0
+    host.backup_from_device_all_layer_physical(store, torch.tensor([1]), torch.tensor([4]), "direct")
+    assert host.hiddens[0, 1].eq(7.0).all()
+    store.write_hidden(4, torch.tensor([4]), torch.full((1, 16), 9.0))  # a stale write to a slot about to be loaded
+    host.load_to_device_per_layer_physical(store, torch.tensor([1]), torch.tensor([4]), 0, "direct")
+    store.drain()
+    assert store.read_hidden(4, torch.tensor([4])).eq(7.0).all()
+
+
 def _args(**kw):
     return argparse.Namespace(**{"device": None, "disable_cuda_graph": False, **kw})
 

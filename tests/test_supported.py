@@ -42,7 +42,7 @@ def test_sglangs_gpu_default_scheduling_passes(server_args, scheduling):
     ("speculative_draft_model_path", "draft"), ("enable_int8_mamba_checkpoint", True),
     ("enable_streaming_session", True), ("moe_a2a_backend", "deepep"), ("pp_size", 2), ("enable_mixed_chunk", True),
     ("enable_unified_memory", True), ("enable_page_major_kv_layout", True),
-    ("enable_mis", True),
+    ("enable_mis", True), ("enable_torch_compile", True),
     ("enable_unified_cache_external_linker", True), ("enable_lmcache", True), ("hicache_storage_backend", "hf3fs"),
     ("hicache_host_memory_mode", "buffer_only"),
     ("enable_pdmux", True), ("enable_linear_replayssm", True), ("enable_linear_replayssm_spec", True),
@@ -200,6 +200,28 @@ def test_the_host_tier_needs_every_resolved_graph_phase_off(flags, refused):
     else:
         with pytest.raises(UnsupportedConfigError, match=f"--tail-replay-hidden-tier host .*resolved: {refused}"):
             check_host_tier_graphs("host", graphs, on_cuda=True)
+
+
+@pytest.mark.parametrize("family, flags, refused", [
+    ("gdn", {}, None),  # SGLang's default on a GPU: the breakable prefill graph runs the GDN extend eagerly
+    ("gdn", {"cuda_graph_backend_prefill": "full"}, "full"),
+    ("kda", {"cuda_graph_backend_prefill": "breakable"}, "breakable"),
+    ("kda", {"cuda_graph_backend_prefill": "full"}, "full"),
+    ("kda", {"disable_prefill_cuda_graph": True}, None),
+], ids=["gdn-default", "gdn-full", "kda-breakable", "kda-full", "kda-off"])
+def test_no_prefill_graph_captures_the_extend_interval_anchors_are_written_in(family, flags, refused):
+    """GPU path review N4: a captured linear extend never runs the anchor hooks at replay."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.supported import check_anchor_graphs
+
+    graphs = _resolved_graphs(**flags)
+    check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=False)  # no graphs on a CPU
+    if refused is None:
+        check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=True)
+    else:
+        with pytest.raises(UnsupportedConfigError, match=f"--cuda-graph-backend-prefill {refused} captures"):
+            check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=True)
 
 
 # ---- speculative decoding only on the families it is tested on (issue 40) ----

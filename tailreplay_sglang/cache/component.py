@@ -275,8 +275,10 @@ class TailReplayMambaComponent(TaintedKVComponent):
         if host_value is None:
             return
         entry, controller = group.get_entry(PoolName.MAMBA), self.cache.cache_controller
-        host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
+        # The index copy to the device goes on the stream of the kernel that reads it: from the scheduler's stream
+        # it would race that kernel, and its block could be reused (by the eviction's own frees) before it ran.
         with on_forward_stream(self.runtime.forward_stream):
+            host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
             entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices,
                                                          controller.io_backend)
         data.host_value = host_value.clone()

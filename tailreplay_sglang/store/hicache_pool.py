@@ -47,12 +47,14 @@ class HiddenHostPool:
     # ---- L2: device <-> host, with the KV ----
 
     def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        device_pool.drain()  # on the host tier the last forwards' rows may still be on their way into the store
         host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
         self.hiddens[:, host] = device_pool.hiddens[:, dev].to(self.hiddens.device)
         self.token_ids[host] = device_pool.token_ids[dev].to(self.token_ids.device)
 
     def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                           *, is_draft: bool = False) -> None:
+        device_pool.drain()  # an older write-back applied after the load would overwrite the loaded rows
         host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
         device_pool.hiddens[:, dev] = self.hiddens[:, host].to(device_pool.hiddens.device)
         device_pool.token_ids[dev] = self.token_ids[host].to(device_pool.token_ids.device)

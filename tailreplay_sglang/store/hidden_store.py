@@ -85,9 +85,21 @@ class HiddenStore:
     def move(self, target_slots: torch.Tensor, source_slots: torch.Tensor) -> None:
         """Rows `source_slots` -> `target_slots` (every source read before any target is written): speculative
         decoding with a draft tree moves the accepted tokens' KV to the front of their block
-        (`KVCache.move_kv_cache`), and their hidden rows and token ids follow."""
+        (`KVCache.move_kv_cache`), and their hidden rows and token ids follow. On the host tier the rows never
+        leave the host: the read drained every earlier write-back, so a copy in place comes after them all (the
+        write-back copies device tensors only; a host one would fail its `record_stream` on a GPU)."""
         for table in (self.token_ids, *self.hiddens):
-            self._write(table, target_slots, self._read(table, source_slots))
+            rows = self._read(table, source_slots)
+            if self.write_back is None:
+                table[target_slots] = rows
+            else:
+                table.index_copy_(0, target_slots.to(table.device, torch.int64), rows)
+
+    def drain(self) -> None:
+        """Apply every pending write-back (host tier): what a reader of the host tables outside `_read` calls
+        first (HiCache's host twin, `hicache_pool.py`)."""
+        if self.write_back is not None:
+            self.write_back.drain()
 
     # ---- reads: a hit's tail ----
 
