@@ -25,7 +25,7 @@ from tailreplay_sglang.cache.request import Match, PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.families import Family, ReplayBatch
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
-from tailreplay_sglang.store.transfer import HostToDevice
+from tailreplay_sglang.store.transfer import HostToDevice, pin
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def replay_start(match: Match, config: TailReplayConfig) -> int:
 def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
          config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
-    spans, mamba_rows, lens, reqs, resets = [], [], [], [], []
+    spans, mamba_rows, lens, reqs, resets, exact = [], [], [], [], [], True
     for row, match, req in rows:
         pool_idx = pool_rows[row]
         if match.reset:
@@ -52,15 +52,22 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
         mamba_rows.append(pool_idx)
         lens.append(match.matched - start)
         reqs.append(req)
+        exact = exact and match.exact  # an approximate hit reports its survival bound
+    device = pool.req_to_token.device
     if resets:  # before the replay, which starts from the slot's state (`retarget`)
-        rows_tensor = torch.tensor(resets, device=pool.req_to_token.device)
-        pool.mamba_pool.clear_slots(pool.translate_mamba_indices(pool.get_mamba_indices(rows_tensor)))
+        pool.mamba_pool.clear_slots(pool.translate_mamba_indices(pool.get_mamba_indices(_upload(resets, device))))
     if not spans:
         return None
-    mamba_slots = pool.get_mamba_indices(torch.tensor(mamba_rows, device=pool.req_to_token.device)).long()
+    mamba_slots = pool.get_mamba_indices(_upload(mamba_rows, device)).long()
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
-    return ReplayBatch(torch.cat(spans), cu.to(mamba_slots.device), mamba_slots, lens, reqs)
+    return ReplayBatch(torch.cat(spans), pin(cu).to(device, non_blocking=True), mamba_slots, lens, reqs,
+                       needs_survival=not exact)
+
+
+def _upload(values: list[int], device) -> torch.Tensor:
+    """Host ints to the device without a sync (through pinned memory where CUDA is present)."""
+    return pin(torch.tensor(values, dtype=torch.int64)).to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -156,7 +163,8 @@ def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pendi
     start = time.perf_counter()
     run(runner, store, family, batch, config.h2d)
     seconds = time.perf_counter() - start
-    survival = batch.log_survival.exp().tolist()
+    # the one read a pass makes, and only when a zero-init tail has a bound to report
+    survival = batch.log_survival.exp().tolist() if batch.needs_survival else [None] * len(batch.reqs)
     for req, k, s in zip(batch.reqs, batch.tail_lens, survival):
         visibility.record_replay(req, k, seconds * 1e3, s)
     if metrics is not None:

@@ -93,6 +93,31 @@ def test_the_anchor_writers_read_the_batch_layout_once_per_forward(monkeypatch, 
             assert ssm_states[5].eq(1.0).all() and conv_states[5].eq(1.0).all()  # written, on every layer
 
 
+def test_committing_or_dropping_planned_anchors_reads_nothing_from_the_device(monkeypatch):
+    """GPU path review N7: an anchor's physical slot id is read with the plan's one read and kept, so its commit
+    (after the forward, in `process_batch_result`, where a read would wait for the next forward) and its drop read
+    nothing."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.cache.request import state_of
+
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    anchors, freed = IntervalAnchors(64), []
+    pool = SimpleNamespace(mamba_allocator=SimpleNamespace(free=freed.append))
+    req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=None, cache_protected_len=0))
+    cache = SimpleNamespace(req_to_token_pool=pool)
+    for finish in (lambda: anchors.drop(pool, req), lambda: anchors.commit(cache, req)):
+        state_of(req).interval_anchors = [(64, torch.tensor([3]), 3), (128, torch.tensor([4]), 4)]
+        anchors.written = {"conv": {3, 4}, "ssm": {3, 4}}
+        freed.clear()
+        finish()
+        assert reads == [] and len(freed) == 2 and anchors.written == {"conv": set(), "ssm": set()}
+
+
 def test_interval_anchor_hooks_only_with_interval_anchors():
     """No interval anchors with the paper's budget 0 or interval 0; with them on every device (the prefill's
     per-chunk states exist on every device)."""

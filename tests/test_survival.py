@@ -30,3 +30,28 @@ def test_anchor_offsets():
     assert offsets(512, 256) == [256]  # the extend's end is the chunk-end anchor's
     assert offsets(100, 256, at_start=True) == [0]
     assert offsets(1000, 0) == []
+
+
+def test_the_per_layer_survival_fold_builds_nothing_from_the_host(monkeypatch):
+    """GPU path review N7: every replayed recurrent layer folds its log-decays into the survival bound. The tail
+    index of each token is built on the host once per pass (a device `repeat_interleave` and a tensor from a list
+    are each a sync on a GPU), and a pass of exact hits, which report no bound, computes none at all."""
+    built = []
+    for name in ("tensor", "repeat_interleave"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _o=original, _n=name, **k: (built.append(_n), _o(*a, **k))[1])
+    lens, layers = [5, 1, 17], 6
+    gates = [-torch.rand(sum(lens), 4) for _ in range(layers)]
+    for needs_survival in (False, True):
+        batch = ReplayBatch(torch.zeros(0), torch.zeros(0), torch.zeros(3), lens, [None] * 3,
+                            log_survival=torch.full((3,), float("-inf")), needs_survival=needs_survival)
+        built.clear()
+        for g in gates:
+            batch.observe_decay(g)
+        if not needs_survival:
+            assert built == [] and batch.log_survival.isinf().all()
+        else:
+            assert built.count("repeat_interleave") == 1 and built.count("tensor") == 1  # once for the pass
+            expected = torch.stack([torch.stack([g[sum(lens[:i]):sum(lens[:i + 1])].sum(0).max() for i in range(3)])
+                                    for g in gates]).max(0).values
+            torch.testing.assert_close(batch.log_survival, expected)

@@ -87,11 +87,11 @@ class StagedAnchors:
     def restore_host(self, host_anchors, req_to_token_pool) -> None:
         """In the forward of the batch they were admitted to: each host anchor into its request's slot."""
         for held in self._restores:
-            slot = int(req_to_token_pool.translate_mamba_indices(held.req.kv.mamba_pool_idx.view(1))[0])
-            if held.hicache is not None:
+            slot = req_to_token_pool.translate_mamba_indices(held.req.kv.mamba_pool_idx.view(1))  # on the device
+            if held.hicache is not None:  # the controller's copies take device indices: nothing read
                 restore_from_hicache(held.hicache, held.node, slot)
-            else:
-                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)
+            else:  # the host-anchor pool copies by slot number: one read
+                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, int(slot[0]))
             held.unhold_host(host_anchors)
         self._restores.clear()
 
@@ -111,9 +111,10 @@ def unstage(cache, req) -> None:
     req.kv.mamba_needs_clear = False
 
 
-def restore_from_hicache(cache, node, device_slot: int) -> None:
-    """Copy `node`'s state from HiCache's host mamba pool into physical device slot `device_slot`, every layer, with
-    the pool's own per-layer copies and SGLang's io backend (`--hicache-io-backend`)."""
+def restore_from_hicache(cache, node, device_slot: torch.Tensor) -> None:
+    """Copy `node`'s state from HiCache's host mamba pool into physical device slot `device_slot` (a one-element
+    index tensor), every layer, with the pool's own per-layer copies and SGLang's io backend
+    (`--hicache-io-backend`)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
@@ -122,7 +123,7 @@ def restore_from_hicache(cache, node, device_slot: int) -> None:
     host_value = node.component_data[ComponentType.MAMBA].host_value.long().view(-1)
     # the devices the controller's own transfers put these indices on, for its io backend
     host_indices, device_indices = controller.move_indices(
-        host_value, torch.tensor([device_slot], dtype=torch.int64, device=controller.device))
+        host_value, device_slot.to(controller.device, torch.int64).view(-1))
     for layer_id in range(entry.host_pool.num_mamba_layers):
         entry.host_pool.load_to_device_per_layer(entry.device_pool, host_indices, device_indices, layer_id,
                                                  controller.io_backend)

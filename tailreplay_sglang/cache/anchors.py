@@ -149,9 +149,11 @@ class IntervalAnchors:
             slots = pool.mamba_allocator.alloc(len(cuts))
             if slots is None:
                 continue
-            state_of(req).interval_anchors = [(prefix + off, slot.view(1)) for off, slot in zip(cuts, slots)]
-            # physical slot ids of the request's own slot and its anchors' in one read (a host sync on a GPU)
+            # physical slot ids of the request's own slot and its anchors' in one read (a host sync on a GPU), kept
+            # with each anchor so that its commit or drop reads nothing more
             source, *physical = pool.translate_mamba_indices(torch.cat([req.kv.mamba_pool_idx.view(1), slots])).tolist()
+            state_of(req).interval_anchors = [(prefix + off, slot.view(1), phys)
+                                              for off, slot, phys in zip(cuts, slots, physical)]
             by_slot[source] = list(zip(cuts, physical))
         self.use_plan(by_slot)
 
@@ -164,8 +166,8 @@ class IntervalAnchors:
         anchors, state.interval_anchors = state.interval_anchors, []
         pool = cache.req_to_token_pool
         inserted = req.kv.cache_protected_len if req.kv.req_pool_idx is not None else 0
-        for depth, slot in anchors:
-            written = self._take_written(int(pool.translate_mamba_indices(slot)[0]))
+        for depth, slot, physical in anchors:
+            written = self._take_written(physical)
             if not written and not self.warned_unwritten:
                 self.warned_unwritten = True
                 logger.warning("Tail-Replay: interval anchors were planned but the prefill did not pass through the "
@@ -180,8 +182,8 @@ class IntervalAnchors:
         if state is None:
             return
         anchors, state.interval_anchors = state.interval_anchors, []
-        for _, slot in anchors:
-            self._take_written(int(pool.translate_mamba_indices(slot)[0]))
+        for _, slot, physical in anchors:
+            self._take_written(physical)
             pool.mamba_allocator.free(slot)
 
 

@@ -49,8 +49,8 @@ class TailReplayReq:
     # Whether the request's recurrent state is exact; set at the match, cleared by the cache when the request's row
     # is re-pointed at tainted KV. Only an exact request donates anchors. Reported as `tail_replay_exact`.
     exact: bool = False
-    # [(depth, mamba slot)] of the interval anchors planned for its last prefill forward (`cache/anchors.py`), until
-    # they are inserted into the tree or freed.
+    # [(depth, mamba slot, its physical id)] of the interval anchors planned for its last prefill forward
+    # (`cache/anchors.py`), until they are inserted into the tree or freed.
     interval_anchors: list = field(default_factory=list)
     # What the replay did for it (`replay.run_pending`), reported once in meta_info (`visibility.py`):
     anchor: int | None = None  # depth of the anchor the replay started from, or None (zero-init tail)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tailreplay_sglang.store.transfer import pin
+
 
 @dataclass
 class ReplayBatch:
@@ -19,6 +21,18 @@ class ReplayBatch:
     log_survival: torch.Tensor | None = None  # [n] filled by the replay: max over layers and heads of the log-decays
     # Under attention DP: every rank's replay rows this step (`dp_attention.py`), which the feed-forward blocks run on
     exchange: object | None = None
+    # Whether any tail is a zero-init one, whose survival bound is reported; an all-exact pass computes none
+    needs_survival: bool = True
+    token_tail: torch.Tensor | None = None  # [sum k] which tail each replayed token belongs to (built once a pass)
+
+    def tail_of_each_token(self, device) -> torch.Tensor:
+        """[sum k] the tail index of every replayed token, on `device`: built on the host from `tail_lens` once per
+        pass and uploaded without a sync, not per layer (a device `repeat_interleave` syncs for its length)."""
+        if self.token_tail is None:
+            lens = torch.tensor(self.tail_lens)
+            host = torch.repeat_interleave(torch.arange(len(self.tail_lens)), lens)
+            self.token_tail = pin(host).to(device, non_blocking=True)
+        return self.token_tail
 
     def feed_forward(self, mlp, h: torch.Tensor) -> torch.Tensor:
         """A feed-forward block (MLP or MoE) over this batch's rows `h`, its TP sum complete."""
@@ -28,7 +42,8 @@ class ReplayBatch:
 
     def observe_decay(self, log_decay: torch.Tensor) -> None:
         """Fold one layer's log-decays [T, heads] into `log_survival` (the zero-init tail's survival bound)."""
-        self.log_survival = torch.maximum(self.log_survival, tail_log_survival(log_decay, self))
+        if self.needs_survival:
+            self.log_survival = torch.maximum(self.log_survival, tail_log_survival(log_decay, self))
 
 
 class FamilyBindError(RuntimeError):
@@ -148,7 +163,6 @@ def reduction_owner(mlp):
 
 def tail_log_survival(g: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
     """[n] max over heads of sum_t g_t over each tail, from the log-decays g [T, heads] of one layer."""
-    lens = torch.tensor(batch.tail_lens, device=g.device)
-    seq = torch.repeat_interleave(torch.arange(len(batch.tail_lens), device=g.device), lens)
+    seq = batch.tail_of_each_token(g.device)
     sums = torch.zeros(len(batch.tail_lens), g.shape[1], device=g.device).index_add_(0, seq, g)
     return sums.max(dim=1).values
