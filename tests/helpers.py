@@ -63,18 +63,28 @@ FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only 
 
 
 def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False,
-               raise_on_rid: bool = False) -> dict:
+               raise_on_rid: bool = False, watch_pool_writes: Path | None = None) -> dict:
     """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
     replay pass that ran is held for `replay_delay_s`, and logged to `events` (read with `FaultEvents`) first; with
     `cut_prefixes`, a request with rid `cut<N>-...` extends from at most N tokens, whatever its match planned; with
-    `raise_on_rid`, the replay pass that served a request with rid `raise-...` raises once it ran."""
+    `raise_on_rid`, the replay pass that served a request with rid `raise-...` raises once it ran; with
+    `watch_pool_writes`, every mamba-pool slot write outside a forward is logged there (`pool_writes`)."""
     path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
     if cut_prefixes:
         env["TAILREPLAY_FAULT_CUT_PREFIX"] = "1"  # its CUT_ENV
     if raise_on_rid:
         env["TAILREPLAY_FAULT_RAISE"] = "1"  # its RAISE_ENV
+    if watch_pool_writes is not None:
+        env["TAILREPLAY_WATCH_POOL_WRITES"] = str(watch_pool_writes)  # its WATCH_ENV
     return {**env, "TAILREPLAY_FAULT_EVENTS": str(events)} if events else env  # its EVENTS_ENV
+
+
+def pool_writes(path: Path) -> dict[str, list[str]]:
+    """The watch's log (`faults_env(watch_pool_writes=...)`): the methods of the mamba-pool writes made outside a
+    forward, and the first made inside one."""
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {where: [r[where] for r in records if where in r] for where in ("outside_forward", "inside_forward")}
 
 
 class FaultEvents:

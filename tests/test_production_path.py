@@ -15,7 +15,8 @@ import random
 import pytest
 import requests
 
-from helpers import Spec, assert_anchored_hit, assert_exact, generate, no_cache, random_ids, scored, start_servers
+from helpers import (Spec, assert_anchored_hit, assert_exact, faults_env, generate, no_cache, pool_writes, random_ids,
+                     scored, start_servers)
 from soak import SoakConfig, check_against_no_cache, pool_leaks, run_soak, wait_idle
 from tailreplay_eval.reference import greedy_generate
 from tailreplay_eval.server import flush_cache
@@ -35,7 +36,13 @@ TAIL_REPLAY = ("--enable-tail-replay", "--dtype", "float32", "--enable-cache-rep
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen35, tmp_path_factory):
+def watch_dir(tmp_path_factory):
+    """Where the small-pool servers log mamba-pool writes made outside a forward (the test plugin's watch)."""
+    return tmp_path_factory.mktemp("pool_writes")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen35, tmp_path_factory, watch_dir):
     """No strategy flag and no --disable-overlap-schedule on any of them (`gpu_scheduling`):
     - stock: also page size 16 (SGLang resolves auto to extra_buffer for paging as well);
     - tail_replay: the defaults, interval anchors every INTERVAL tokens, 256-token prefill chunks;
@@ -45,16 +52,21 @@ def servers(tiny_qwen35, tmp_path_factory):
       anchored cache property tests.)
     - lazy, small_pool_lazy: tail_replay and small_pool under `--mamba-radix-cache-strategy extra_buffer_lazy`
       (SGLang's strategy for speculative decoding: track slots taken at boundaries, one per request), which the
-      Tail-Replay tests run on too."""
+      Tail-Replay tests run on too.
+    The small pools carry the test plugin's watch of mamba-pool writes (`test_no_mamba_slot_is_written_outside_a_
+    forward`)."""
     gpu = {"gpu_scheduling": True}
     small = (*TAIL_REPLAY, "--max-mamba-cache-size", "12", "--page-size", str(PAGE), "--tail-replay-host-anchors",
              str(HOST_ANCHORS))
+    watch = {name: faults_env(watch_pool_writes=watch_dir / f"{name}.jsonl")
+             for name in ("small_pool", "small_pool_lazy")}
     yield from start_servers(tmp_path_factory, {
         "stock": Spec(tiny_qwen35, ("--dtype", "float32", "--enable-cache-report", "--page-size", "16"), kwargs=gpu),
         "tail_replay": Spec(tiny_qwen35, TAIL_REPLAY, kwargs=gpu),
         "lazy": Spec(tiny_qwen35, (*TAIL_REPLAY, *LAZY), kwargs=gpu),
-        "small_pool": Spec(tiny_qwen35, small, kwargs={**gpu, "max_running_requests": 3}),
-        "small_pool_lazy": Spec(tiny_qwen35, (*small, *LAZY), kwargs={**gpu, "max_running_requests": 3}),
+        "small_pool": Spec(tiny_qwen35, small, watch["small_pool"], kwargs={**gpu, "max_running_requests": 3}),
+        "small_pool_lazy": Spec(tiny_qwen35, (*small, *LAZY), watch["small_pool_lazy"],
+                                kwargs={**gpu, "max_running_requests": 3}),
     })
 
 
@@ -242,3 +254,16 @@ def test_bursts_of_track_aligned_prompts_leave_every_donation_a_slot(servers, na
             outs = list(pool.map(lambda ids: generate(srv, ids, 2), prompts))
         assert all(len(out["output_ids"]) == 2 for out in outs)
     assert pool_leaks(wait_idle(srv.base_url)) == []  # every mamba slot free or an anchor, nothing locked
+
+
+@SMALL_POOLS
+def test_no_mamba_slot_is_written_outside_a_forward(servers, watch_dir, name):
+    """The stream-order argument device anchors rest on (GPU path review F1): a hit's copy of its anchor runs in the
+    forward (SGLang's deferred copy-on-write), after the scheduler released the anchor's lock, so a later step may
+    evict the anchor and hand its slot to another request; that is safe because nothing writes a mamba slot
+    outside a forward under the overlap scheduler: the new owner's clear or copy is queued on the forwards' stream
+    after the copy that reads the slot. Checked after every test above on the small pools (anchors evicted while
+    requests run, host anchors, the soak): every `clear_slots` and `copy_from` came from inside a forward."""
+    writes = pool_writes(watch_dir / f"{name}.jsonl")
+    assert writes["inside_forward"], "the watch saw no mamba-pool write at all"
+    assert writes["outside_forward"] == [], writes["outside_forward"][:10]

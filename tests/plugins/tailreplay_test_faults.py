@@ -13,6 +13,11 @@ match, before the batch's `prepare_for_extend`, the tree lock kept): the schedul
 the one the match planned for, which Tail-Replay answers by retargeting the hit (`cache/request.py: retarget`).
 With `TAILREPLAY_FAULT_RAISE` set, a replay pass that served a request whose rid starts with `raise-` raises
 `ReplayFault` once it has run (on that request's rank only: a fault on one rank of a DP-attention server).
+With `TAILREPLAY_WATCH_POOL_WRITES` naming a file, every write to the mamba pool's slots (`MambaPool.clear_slots`,
+`copy_from`) is checked against whether a forward is running: each one made outside a forward appends a JSON line
+(`{"outside_forward": method}`), and the first one inside a forward appends `{"inside_forward": method}` (the watch
+is live). A watch, not a fault: the stream-order argument device anchors rest on (docs/design.md, GPU path review
+F1) holds only while no mamba slot is written outside a forward under the overlap scheduler.
 """
 
 import json
@@ -29,6 +34,10 @@ CUT_ENV = "TAILREPLAY_FAULT_CUT_PREFIX"
 EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 CUT_RID = re.compile(r"cut(\d+)-")
 RAISE_ENV = "TAILREPLAY_FAULT_RAISE"
+WATCH_ENV = "TAILREPLAY_WATCH_POOL_WRITES"
+FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+POOL_WRITES = ("sglang.srt.mem_cache.memory_pool.MambaPool.clear_slots",
+               "sglang.srt.mem_cache.memory_pool.MambaPool.copy_from")
 
 
 class ReplayFault(RuntimeError):
@@ -44,6 +53,11 @@ def register() -> None:
         HookRegistry.register(EXTEND, cut_prefixes, HookType.BEFORE)
     if os.environ.get(RAISE_ENV):
         HookRegistry.register(TARGET, raise_after_replay, HookType.AFTER)
+    if os.environ.get(WATCH_ENV):
+        watch = PoolWriteWatch(os.environ[WATCH_ENV])
+        HookRegistry.register(FORWARD, watch.forward, HookType.AROUND)
+        for target in POOL_WRITES:
+            HookRegistry.register(target, watch.writer(target.rsplit(".", 1)[1]), HookType.BEFORE)
     delay = float(os.environ.get(DELAY_ENV, "0"))
     if delay <= 0:
         return
@@ -89,3 +103,30 @@ def raise_after_replay(result, *args, **kwargs):
     if any(rid.startswith("raise-") for rid in rids):
         raise ReplayFault(f"injected replay fault for {rids}")
     return result
+
+
+class PoolWriteWatch:
+    """Whether each mamba-pool slot write happens inside a forward (`WATCH_ENV`)."""
+
+    def __init__(self, path: str):
+        self.path, self.depth, self.seen_inside = path, 0, False
+
+    def forward(self, original, *args, **kwargs):
+        self.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+    def writer(self, method: str):
+        def check(*args, **kwargs):
+            if self.depth == 0:
+                self._log({"outside_forward": method})
+            elif not self.seen_inside:
+                self.seen_inside = True
+                self._log({"inside_forward": method})
+        return check
+
+    def _log(self, record: dict) -> None:
+        with open(self.path, "a") as f:  # one write of one line
+            f.write(json.dumps({**record, "pid": os.getpid(), "t": time.time()}) + "\n")
