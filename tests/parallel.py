@@ -40,7 +40,7 @@ SHARED_SERVER_MODULES = UNITS[SHARED_SERVER_GROUP]
 # balance, not correctness.
 MODULE_SECONDS = {
     "tests/test_speculative.py": 256, "tests/test_production_path.py": 171, "tests/test_hybrid_families.py": 169,
-    "tests/test_reliability.py": 135, "tests/test_dp_attention.py": 116, "tests/test_quality_bench.py": 96,
+    "tests/test_reliability.py": 135, "tests/test_dp_attention.py": 143, "tests/test_quality_bench.py": 96,
     "tests/test_kernels.py": 77, "tests/test_scale_out.py": 69, "tests/test_anchored_replay.py": 68,
     "tests/test_ttft_gpu.py": 44, "tests/test_vision_language.py": 42, "tests/test_olmo_hybrid.py": 41,
     "tests/test_training.py": 41,

@@ -5,11 +5,16 @@
 groups' rows at every step. `--tp 2 --ep-size 2` puts half the experts on each rank. One server at a time (the
 fixture is parametrized): each is two ranks on the two cores (`SGLANG_CPU_OMP_THREADS_BIND=0|1`).
 
-- stock: DP attention and EP together on tiny-qwen35-moe, greedy equal to HF (the CPU port's two fixes: the padded
-  rows' sequence length torch_native lacked, and EP's masked expert ids, `cpu_compat/.../{dp_attention,moe}.py`);
-- Tail-Replay under DP attention (MoE, anchored; dense, whole-prefix replay) and with EP: off-grid hits on each
-  group exact against no cache, the other group's tree its own, hits on both groups in one step, a hit on one
-  group while the other decodes (its replay's feed-forward collectives need every rank: `dp_attention.py`).
+- stock: DP attention and EP together on tiny-qwen35-moe, greedy equal to HF (the CPU port's fixes: the padded
+  rows' sequence length torch_native lacked, EP's masked expert ids, pynccl's reduce_scatterv;
+  `cpu_compat/.../{dp_attention,moe}.py`);
+- Tail-Replay under DP attention (Qwen3.5 MoE, anchored; dense, whole-prefix replay; Qwen3-Next, anchored) and
+  with EP: off-grid hits on each group exact against no cache, the other group's tree its own, hits on both groups
+  in one step, a hit on one group while the other decodes (its replay's feed-forward collectives need every rank:
+  `dp_attention.py`);
+- faults on the Qwen3.5 MoE one (the test plugin holds every replay pass REPLAY_DELAY_S and logs it; a `raise-`
+  request's pass raises): an abort and a flush while a group's replay is held leave every group's pools whole, and a
+  replay that raises on one rank stops the whole server with the error in its log, not a hang.
 """
 
 import concurrent.futures
@@ -36,6 +41,7 @@ SERVERS = {
     "stock-dpa-ep": ("tiny_qwen35_moe", (*DPA, "--ep-size", "2", "--enable-cache-report")),
     "tr-dpa-moe": ("tiny_qwen35_moe", (*DPA, *ANCHORED)),
     "tr-dpa-dense": ("tiny_qwen35", (*DPA, *EXACT_FLAGS)),  # the whole prefix replayed: every layer's MLP
+    "tr-dpa-next": ("tiny_qwen3next", (*DPA, *ANCHORED)),  # Qwen3-Next's own GDN and sparse MoE modules
     "tr-ep": ("tiny_qwen35_moe", (*EP, *ANCHORED)),
 }
 NEW = 8
@@ -117,7 +123,7 @@ def test_cold_prompts_equal_hf(server, request):
         assert on(server, rank, ids)["output_ids"] == greedy_generate(model, ids, NEW)
 
 
-@on_servers("tr-dpa-moe", "tr-dpa-dense", "tr-ep")
+@on_servers("tr-dpa-moe", "tr-dpa-dense", "tr-dpa-next", "tr-ep")
 @pytest.mark.parametrize("cut", [150, 237])
 def test_off_grid_hits_on_each_group_are_exact(server, cut):
     """A fork at a token no request or chunk ended at, on each group: it hits that group's own copy of the
