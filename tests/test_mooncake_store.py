@@ -205,10 +205,13 @@ def test_the_master_restarted_mid_traffic_loses_nothing(servers, master):
     reference = scored(b, prompt, 450, extra_key="no-cache after restart")
     assert reference["meta"]["cached_tokens"] == 0
     # Alone, this hit came from the store (450 tokens, exact) in every run; beside the CI's other worker it was
-    # sometimes a miss (the prefetch read nothing): either way it is exact and equals no cache.
-    assert hit["meta"]["cached_tokens"] in (0, 450) and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
-    if hit["meta"]["cached_tokens"]:
-        assert_storage_hit(hit, 450, exact=True)
+    # sometimes a miss (the prefetch read nothing) or part of it (256 of 450 tokens once: the prefetch stops at the
+    # first page it cannot read in time). Whatever it read, it came from the store, is exact (within the budget from
+    # the root) and equals no cache.
+    cached = hit["meta"]["cached_tokens"]
+    assert 0 <= cached <= 450 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
+    if cached:
+        assert_storage_hit(hit, cached, exact=True)
     assert_exact(hit, reference)
 
 
