@@ -8,7 +8,7 @@ it (Kimi Linear's is 2.446): without it the routed experts' share of every MoE l
 
 Under expert parallelism (`--ep-size`) the top-k ids are mapped to this rank's experts and a slot routed to another
 rank's expert holds -1; `moe_forward_native` scatters by id and fails on it ("index -1 is out of bounds"). Such a
-batch runs the local experts here (`local_experts`): each rank returns its experts' share, and the EP reduction
+batch runs the local experts here (`routed_experts`): each rank returns its experts' share, and the EP reduction
 sums them.
 """
 
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 def scale_routed_output(original, layer, x, topk_output, moe_runner_config):
     """AROUND hook on `moe_forward_native` (same arguments, same output); also runs the squared-ReLU experts it does
-    not know (`relu2_experts`)."""
+    not know and the expert-parallel batches it fails on (`routed_experts`)."""
     if moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated:
-        out = relu2_experts(layer, x, topk_output)
+        out = routed_experts(layer, x, topk_output, lambda h: torch.relu(h).square())
     elif bool((topk_output.topk_ids < 0).any()):
-        out = local_experts(layer, x, topk_output, moe_runner_config)
+        out = routed_experts(layer, x, topk_output, gated_activation(moe_runner_config))
     else:
         out = original(layer, x, topk_output, moe_runner_config)
     factor = moe_runner_config.routed_scaling_factor
@@ -31,15 +31,21 @@ def scale_routed_output(original, layer, x, topk_output, moe_runner_config):
     return out
 
 
-def local_experts(layer, x, topk_output, moe_runner_config) -> torch.Tensor:
-    """The routed experts of this expert-parallel rank, gated as `moe_forward_native` runs them; slots routed to
-    another rank's expert (id -1) add nothing here."""
+def gated_activation(moe_runner_config):
+    """The gated activation `moe_forward_native` applies to an expert's up projection (gate and up halves)."""
     from sglang.srt.layers.activation import GeluAndMul, SiluAndMul
 
     acts = {"silu": SiluAndMul, "gelu": GeluAndMul}
     if moe_runner_config.activation not in acts or moe_runner_config.gemm1_alpha is not None:
         raise NotImplementedError(f"expert parallelism on a CPU: activation {moe_runner_config.activation!r}")
-    act = acts[moe_runner_config.activation]()
+    return acts[moe_runner_config.activation]()
+
+
+def routed_experts(layer, x, topk_output, activation) -> torch.Tensor:
+    """This rank's routed experts, one at a time: up projection, `activation`, down projection, weighted sum. Slots
+    routed to no local expert (id -1, another expert-parallel rank's) add nothing. Nemotron-H's squared ReLU without
+    a gate (`moe_forward_native` knows only gated ones: "Unsupported activation ... 'relu2'") and expert-parallel
+    batches go through here."""
     weights, ids, _ = topk_output
     w13_bias, w2_bias = getattr(layer, "w13_weight_bias", None), getattr(layer, "w2_weight_bias", None)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -47,27 +53,13 @@ def local_experts(layer, x, topk_output, moe_runner_config) -> torch.Tensor:
         if expert < 0:
             continue
         rows, slot = (ids == expert).nonzero(as_tuple=True)
-        gate_up = F.linear(x[rows], layer.w13_weight[expert])
+        up = F.linear(x[rows], layer.w13_weight[expert])
         if w13_bias is not None:
-            gate_up = (gate_up.float() + w13_bias[expert]).to(x.dtype)
-        down = F.linear(act(gate_up), layer.w2_weight[expert]).float()
+            up = (up.float() + w13_bias[expert]).to(x.dtype)
+        down = F.linear(activation(up), layer.w2_weight[expert]).float()
         if w2_bias is not None:
             down = down + w2_bias[expert]
         out.index_add_(0, rows, down * weights[rows, slot, None].float())
-    return out.to(x.dtype)
-
-
-def relu2_experts(layer, x, topk_output) -> torch.Tensor:
-    """Nemotron-H's routed experts, as SGLang's GPU runner computes them: up projection, squared ReLU, down
-    projection, no gate (`moe_forward_native` knows only gated activations: "Unsupported activation ... 'relu2'")."""
-    weights, ids, _ = topk_output
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in ids.unique().tolist():
-        if expert < 0:  # a slot routed to no local expert
-            continue
-        rows, slot = (ids == expert).nonzero(as_tuple=True)
-        hidden = torch.relu(F.linear(x[rows], layer.w13_weight[expert])).square()
-        out.index_add_(0, rows, F.linear(hidden, layer.w2_weight[expert]).float() * weights[rows, slot, None])
     return out.to(x.dtype)
 
 
