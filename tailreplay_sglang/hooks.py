@@ -29,6 +29,7 @@ _SRT = "sglang.srt"
 _TOKENIZER = f"{_SRT}.managers.tokenizer_manager.TokenizerManager"
 _RUNNER = f"{_SRT}.model_executor.model_runner.ModelRunner"
 _CACHE = f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_CONTROLLER = f"{_SRT}.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _STREAMER = f"{_SRT}.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 _PKG = "tailreplay_sglang"
 
@@ -99,6 +100,13 @@ RUNTIME = (
          "where HiCache's KV host pool gets its share of --hicache-size: the hidden store's host twin, one row per "
          "KV host slot (cache/hierarchy.py), takes its part of that share, as SGLang's own sidecar pools do",
          bound=True),
+    Hook(f"{_CONTROLLER}._storage_hit_query", "around", f"{_PKG}.cache.storage_anchors:widen_stop_points",
+         "a storage prefetch's hit query (its thread): a fetch that asked for a state past the exact budget may "
+         "still stop at any page within the budget, where it needs none (stock's trailing-page rule stops only at "
+         "a stored state)"),
+    Hook(f"{_CONTROLLER}._sync_prefetch_hit_query", "around", f"{_PKG}.cache.storage_anchors:drop_unneeded_state",
+         "the hit is agreed over ranks and no host slot is staged yet: a hit ending within the budget reads no "
+         "state"),
     Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
          "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
          "layers); before CUDA graphs are captured", bound=True),

@@ -372,9 +372,14 @@ HICACHE = ("--enable-hierarchical-cache", "--hicache-size", "1",
            "--mem-fraction-static", "0.5")
 
 
-def hicache_spec(model, l3_folder: Path, gpu_scheduling: bool, *extra: str) -> Spec:
-    """A HiCache server with 1,200-token device pools and its L3 (`file`) in `l3_folder`. Three at a time: SGLang
-    keeps 10 GiB of host memory free of its host pools, so six starting at once (three per module) ran out."""
+def hicache_spec(model, l3_folder: Path | None, gpu_scheduling: bool, *extra: str) -> Spec:
+    """A HiCache server with 1,200-token device pools and its L3 (`file`) in `l3_folder` (None: the host tier
+    alone). Three at a time: SGLang keeps 10 GiB of host memory free of its host pools, so six starting at once
+    (three per module) ran out."""
+    if l3_folder is None:
+        flags = tuple(f for i, f in enumerate(HICACHE) if "storage" not in f and "storage" not in HICACHE[i - 1])
+        return Spec(model, flags + extra, kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS,
+                                                  "gpu_scheduling": gpu_scheduling})
     return Spec(model, HICACHE + extra, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(l3_folder)},
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 

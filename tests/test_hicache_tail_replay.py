@@ -3,8 +3,9 @@ them in test_hicache.py, with `--enable-tail-replay` (`tailreplay_sglang/cache/h
 travels with the KV pages, anchors go to HiCache's host mamba pool with their nodes, and a hit at any token boundary
 of host or storage pages is rebuilt, exactly where a state is within the budget and labelled approximate otherwise.
 
-Three servers: tr with the CPU flags and its own L3 folder; tr_gpu_a and tr_gpu_b with SGLang's GPU scheduling
-(extra_buffer + overlap) and one L3 folder, tr_gpu_b writing back (host copies only at eviction) instead of through.
+Three servers: tr with the CPU flags and the host tier alone; tr_gpu_a and tr_gpu_b with SGLang's GPU scheduling
+(extra_buffer + overlap) and one L3 folder, tr_gpu_b writing back (host copies only at eviction) instead of through;
+tr_pure (the paper's pure mode, its own L3 folder) started by its test.
 Every hit labelled exact is checked against the same server's no-cache prefill (`no_cache`, with an `extra_key` of
 its own so no tier can serve it), whose agreement with HF test_hicache.py checks on these weights.
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from helpers import (CONTEXT, QUESTION, assert_anchored_hit, assert_exact, generate, hicache_spec, no_cache,
-                     random_ids, scored, start_servers, wait_for_pages)
+from helpers import (CONTEXT, QUESTION, assert_anchored_hit, assert_exact, generate, hicache_spec, launch, no_cache,
+                     random_ids, scored, start_servers, stop_all, wait_for_pages)
 from soak import pool_leaks, pools, wait_idle
 from tailreplay_eval.server import flush_cache
 
@@ -34,9 +35,8 @@ def shared_l3(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tmp_path_factory, shared_l3):
-    own = tmp_path_factory.mktemp("l3-tr-own")
     yield from start_servers(tmp_path_factory, {
-        "tr": hicache_spec(tiny_qwen35, own, False, *TR),
+        "tr": hicache_spec(tiny_qwen35, None, False, *TR),
         "tr_gpu_a": hicache_spec(tiny_qwen35, shared_l3, True, *TR),
         "tr_gpu_b": hicache_spec(tiny_qwen35, shared_l3, True, *TR, "--hicache-write-policy", "write_back")})
 
@@ -75,55 +75,69 @@ def test_host_hits_are_exact_at_any_token_boundary(servers, name):
         assert hit["meta"]["cached_tokens_details"]["host"] == hit["meta"]["cached_tokens"] > 0
         hits.append((cut, prompt, hit))
     assert pools(srv.base_url)["hicache_anchor_hits"] > 0
-    # The 555 hit starts from the interval anchor at 512. Under write-through that anchor reaches the host only
-    # through the plugin's own copy (`_backup_state_to_hicache`): SGLang backs up no state for a node whose
-    # write-through was still in flight. Under write_back SGLang copies node and state to the host when it evicts.
+    # The 555 hit starts from the interval anchor at 512. Under write-through SGLang backs up no state for a node
+    # whose write-through was still in flight: on tr (no storage) the anchor reaches the host only through the
+    # plugin's copy at eviction (`_backup_state_to_hicache`); with storage (tr_gpu_a) the plugin backs it up at a
+    # later step, bound for storage (`TailReplayRadixCache.back_up_state`). Under write_back SGLang copies node and
+    # state to the host when it evicts.
     assert hits[0][2]["meta"]["tail_replay_anchor"] == 512
     backed_up = pools(srv.base_url)["hicache_anchor_backups"] - backups
-    assert backed_up > 0 if name != "tr_gpu_b" else backed_up == 0, backed_up
+    if name != "tr_gpu_a":
+        assert backed_up > 0 if name == "tr" else backed_up == 0, backed_up
     for cut, prompt, hit in hits:  # references last: a flush empties the host tier too
         assert_exact(hit, no_cache(srv, prompt, cut, extra_key=f"no-cache {name} {cut}"))
 
 
 def test_second_server_hits_the_file_tier_off_grid(servers, shared_l3):
     """tr_gpu_a computes two contexts; tr_gpu_b, which never saw them, hits them in the shared L3 folder at 450 and
-    600 tokens, off its 64-token track grid (stock lands on the grid, `test_a_second_server_hits...`). No state
-    travels through storage: 450 is within the exact budget (512), replayed from the root over hidden rows read
-    from storage, exact and equal to no cache; 600 is past it, so its zero-init tail is labelled approximate."""
+    600 tokens, off its 64-token track grid (stock lands on the grid, `test_a_second_server_hits...`): 450 is within
+    the exact budget (512), replayed from the root over hidden rows read from storage; 600 is past it, so the hit
+    is cut back to the deepest state tr_gpu_a stored inside it, its interval anchor at 512, read from storage
+    (`cache/storage_anchors.py`). Both are exact and equal no cache."""
     a, b = servers["tr_gpu_a"], servers["tr_gpu_b"]
     contexts = [random_ids(CONTEXT, seed=s) for s in (81, 83)]
     before = len(list(shared_l3.iterdir()))
     for context in contexts:
         generate(a, context, 1)
     wait_for_pages(shared_l3, before, 2 * 2 * CONTEXT)  # a KV page and a hidden page per token, each context
+    time.sleep(1)  # the anchors' states follow their nodes' pages by a scheduler step or two
     flush_cache(b.base_url)
-    exact_prompt = contexts[0][:450] + random_ids(QUESTION, seed=82)
-    hit = scored(b, exact_prompt, 450)
-    assert_hit(hit, 450, "storage", exact=True)
-    approximate = scored(b, contexts[1][:600] + random_ids(QUESTION, seed=84), 600)
-    assert_hit(approximate, 600, "storage", exact=False)
-    assert_exact(hit, no_cache(b, exact_prompt, 450, extra_key="no-cache tr_gpu_b 450"))
+    checks = []
+    for context, cut, anchor in ((0, 450, 0), (1, 600, 512)):
+        prompt = contexts[context][:cut] + random_ids(QUESTION, seed=82 + cut)
+        hit = scored(b, prompt, cut)
+        assert_hit(hit, anchor or cut, "storage", exact=True)
+        assert hit["meta"]["tail_replay_anchor"] == anchor if anchor else hit["meta"]["tail_replay_tokens"] == cut
+        checks.append((cut, prompt, hit))
+    for cut, prompt, hit in checks:
+        assert_exact(hit, no_cache(b, prompt, cut, extra_key=f"no-cache tr_gpu_b {cut}"))
 
 
-def test_never_writes_approximate_kv_to_storage(servers):
+def test_never_writes_approximate_kv_to_storage(tiny_qwen35, tmp_path_factory):
     """KV computed from an approximate state is tainted on its tree node, which storage cannot carry, so it is not
-    written there: after a flush, L3 serves the 600 exact tokens of the approximate hit's prefix, not the 24 it
-    computed past them (a control context written after them shows the writes had time to land)."""
-    srv = servers["tr"]
-    folder = Path(srv.env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"])
-    context = random_ids(CONTEXT, seed=91)
-    before = len(list(folder.iterdir()))
-    generate(srv, context, 1)
-    wait_for_pages(folder, before, 2 * CONTEXT)
-    flush_cache(srv.base_url)
-    prompt = context[:600] + random_ids(QUESTION, seed=92)
-    assert_hit(scored(srv, prompt, 600), 600, "storage", exact=False)
-    before = len(list(folder.iterdir()))
-    generate(srv, random_ids(300, seed=93), 1)  # control: written through after the approximate request's KV
-    wait_for_pages(folder, before, 2 * 300)
-    flush_cache(srv.base_url)
-    again = scored(srv, prompt + random_ids(8, seed=94), 600)
-    assert again["meta"]["cached_tokens_details"]["storage"] == 600, again["meta"]["cached_tokens_details"]
+    written there. On a server in the paper's pure mode (`--tail-replay-exact-budget 0`: no state kept, every hit
+    past the tail approximate), after a flush, L3 serves the 600 exact tokens of an approximate hit's prefix, not
+    the 24 it computed past them (a control context written after them shows the writes had time to land)."""
+    folder, other = tmp_path_factory.mktemp("l3-tr-pure"), {}
+    try:
+        launch(tmp_path_factory, {"tr_pure": hicache_spec(tiny_qwen35, folder, False, *TR,
+                                                          "--tail-replay-exact-budget", "0")}, other)
+        srv = other["tr_pure"]
+        context = random_ids(CONTEXT, seed=91)
+        before = len(list(folder.iterdir()))
+        generate(srv, context, 1)
+        wait_for_pages(folder, before, 2 * CONTEXT)
+        flush_cache(srv.base_url)
+        prompt = context[:600] + random_ids(QUESTION, seed=92)
+        assert_hit(scored(srv, prompt, 600), 600, "storage", exact=False)
+        before = len(list(folder.iterdir()))
+        generate(srv, random_ids(300, seed=93), 1)  # control: written through after the approximate request's KV
+        wait_for_pages(folder, before, 2 * 300)
+        flush_cache(srv.base_url)
+        again = scored(srv, prompt + random_ids(8, seed=94), 600)
+        assert again["meta"]["cached_tokens_details"]["storage"] == 600, again["meta"]["cached_tokens_details"]
+    finally:
+        stop_all(other)
 
 
 def test_concurrent_host_hits_and_an_abort_leave_exact_hits_and_no_leak(servers):

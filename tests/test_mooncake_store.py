@@ -5,10 +5,10 @@ the transfer engine's TCP transport, metadata exchanged peer to peer.
 Stock first: two stock servers share a prefix through the store, where a state was stored (their track grid). Then
 Tail-Replay on three servers: a prefix the first computed is hit by the second and the third at off-grid
 boundaries, the hidden rows read from the store beside the KV (`HiddenHostPool.get_page_buffer_meta`: the pages are
-moved in place, no copy), exact within the budget and equal to the server's own no-cache prefill, labelled
-approximate past it. Tainted KV never reaches the store; pages another configuration wrote are never read
-(`cache/storage_key.py`). Faults last (they empty the store): the master restarted mid-traffic, servers leaving the
-cluster with pages in their segments.
+moved in place, no copy): within the budget replayed from the root, past it from the deepest state the first server
+stored inside the hit (`cache/storage_anchors.py`), exact and equal to the server's own no-cache prefill. Tainted
+KV never reaches the store; pages another configuration wrote are never read (`cache/storage_key.py`). Faults last
+(they empty the store): the master restarted mid-traffic, servers leaving the cluster with pages in their segments.
 """
 
 import concurrent.futures
@@ -30,7 +30,8 @@ CLIENT_TTL = ("-client_ttl", "2")
 SMALLEST_SEGMENT = 16 * 2**20  # a client's setup fails (-600) below it
 TRACK = 64  # stock's state grid under extra_buffer (--mamba-track-interval)
 # Objects per token in the store at page size 1: K and V, and Tail-Replay's hidden page (`_indexer`). Stock stores
-# its KV up to the request's last track point (with that point's state), Tail-Replay the whole prompt and no state.
+# its KV up to the request's last track point (with that point's state), Tail-Replay the whole prompt and its
+# anchors' states (a few objects each, not counted).
 KEYS_PER_TOKEN = {"stock": 2, "tr": 3}
 
 
@@ -48,13 +49,14 @@ def master(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tmp_path_factory, master):
-    """stock_a, stock_b and tr_a, tr_b: SGLang's GPU scheduling (extra_buffer + overlap); tr_c: the CPU flags."""
+    """Every server with SGLang's GPU scheduling (extra_buffer + overlap): the three Tail-Replay servers agree on
+    the layout of the states they store (the CPU flags' conv states are bfloat16, extra_buffer's float32)."""
     yield from start_servers(tmp_path_factory, {
         "stock_a": mooncake_spec(tiny_qwen35, master.address, True),
         "stock_b": mooncake_spec(tiny_qwen35, master.address, True),
         "tr_a": mooncake_spec(tiny_qwen35, master.address, True, *TR),
         "tr_b": mooncake_spec(tiny_qwen35, master.address, True, *TR),
-        "tr_c": mooncake_spec(tiny_qwen35, master.address, False, *TR)})
+        "tr_c": mooncake_spec(tiny_qwen35, master.address, True, *TR)})
 
 
 def storage_tag(srv) -> str | None:
@@ -112,44 +114,60 @@ def test_stock_servers_share_a_prefix_through_the_store(servers, master):
 
 
 def test_tail_replay_servers_hit_the_store_off_grid(servers, master):
-    """tr_a computes two contexts; tr_b and tr_c, which never saw them, hit them in the store off the track grid: at
-    450 and 333, within the exact budget (512), replayed from the root over hidden rows read from the store, exact
-    and equal to no cache; at 600, past it, a zero-init tail labelled approximate. No state travels through the
-    store."""
+    """tr_a computes two contexts; tr_b and tr_c, which never saw them, hit them in the store off the track grid:
+    at 450 and 333, within the exact budget (512), replayed from the root over hidden rows read from the store; at
+    600 and 650, past it, from the deepest state tr_a stored inside the hit (its interval anchor at 512, its track
+    state at 640), read from the store, the hit cut back to it. Every hit is exact and equals no cache."""
     a = servers["tr_a"]
     contexts = [random_ids(CONTEXT, seed=s) for s in (111, 113)]
     for context in contexts:
         compute(master, a, context, "tr")
     checks = []
-    for name, cut in (("tr_b", 450), ("tr_c", 333)):
+    for name, context, cut, anchor in (("tr_b", 0, 450, 0), ("tr_c", 0, 333, 0), ("tr_b", 1, 600, 512),
+                                       ("tr_c", 1, 650, 640)):
         srv = servers[name]
         flush_cache(srv.base_url)
-        prompt = contexts[0][:cut] + random_ids(QUESTION, seed=112 + cut)
+        prompt = contexts[context][:cut] + random_ids(QUESTION, seed=112 + cut)
         hit = scored(srv, prompt, cut)
-        assert_storage_hit(hit, cut, exact=True)
-        assert hit["meta"]["tail_replay_tokens"] == cut
+        meta = hit["meta"]
+        assert_storage_hit(hit, anchor or cut, exact=True)
+        if anchor:  # the stored state is the hit's anchor: nothing to replay
+            assert meta["tail_replay_anchor"] == anchor and meta["tail_replay_tokens"] == 0, meta
+        else:
+            assert meta["tail_replay_tokens"] == cut, meta
         checks.append((srv, name, cut, prompt, hit))
-    b = servers["tr_b"]
-    approximate = scored(b, contexts[1][:600] + random_ids(QUESTION, seed=114), 600)
-    assert_storage_hit(approximate, 600, exact=False)
     for srv, name, cut, prompt, hit in checks:  # references last: a flush empties the device and host tiers
         assert_exact(hit, fresh_reference(srv, prompt, cut, extra_key=f"no-cache {name} {cut}"))
 
 
-def test_never_writes_approximate_kv_to_the_store(servers, master):
+def test_never_writes_approximate_kv_to_the_store(servers, master, tiny_qwen35, tmp_path_factory):
     """KV computed from an approximate state is tainted on its tree node, which the store cannot carry, so it is
-    not written: after a flush the store serves the 600 exact tokens of the approximate hit's prefix, not the 24
-    it computed past them (a control context written after them shows the writes had time to land)."""
-    srv = servers["tr_c"]
-    context = random_ids(CONTEXT, seed=121)
-    compute(master, srv, context, "tr")
-    flush_cache(srv.base_url)
-    prompt = context[:600] + random_ids(QUESTION, seed=122)
-    assert_storage_hit(scored(srv, prompt, 600), 600, exact=False)
-    compute(master, srv, random_ids(300, seed=123), "tr")  # control
-    flush_cache(srv.base_url)
-    again = scored(srv, prompt + random_ids(8, seed=124), 600)
-    assert again["meta"]["cached_tokens_details"]["storage"] == 600, again["meta"]["cached_tokens_details"]
+    not written. A server with the CPU flags in the paper's pure mode (`--tail-replay-exact-budget 0`: no state,
+    every hit past the tail approximate) stores its states in another layout (bfloat16 conv states), so it reads
+    none of the others' pages. A storage hit at 600 on a context it computed is approximate; after a flush the
+    store serves the 600 exact tokens of its prefix, not the 24 it computed past them (a control context written
+    after them shows the writes had time to land)."""
+    other = {}
+    try:
+        launch(tmp_path_factory, {"tr_pure": mooncake_spec(tiny_qwen35, master.address, False, *TR,
+                                                            "--tail-replay-exact-budget", "0")}, other)
+        srv = other["tr_pure"]
+        shared = random_ids(CONTEXT, seed=125)
+        compute(master, servers["tr_a"], shared, "tr")
+        miss = scored(srv, shared[:450] + random_ids(QUESTION, seed=126), 450)
+        assert miss["meta"]["cached_tokens"] == 0, miss["meta"]["cached_tokens_details"]
+        context = random_ids(CONTEXT, seed=121)
+        compute(master, srv, context, "tr")
+        flush_cache(srv.base_url)
+        prompt = context[:600] + random_ids(QUESTION, seed=122)
+        assert_storage_hit(scored(srv, prompt, 600), 600, exact=False)
+        compute(master, srv, random_ids(300, seed=123), "tr")  # control
+        flush_cache(srv.base_url)
+        again = scored(srv, prompt + random_ids(8, seed=124), 600)
+        assert again["meta"]["cached_tokens_details"]["storage"] == 600, again["meta"]["cached_tokens_details"]
+    finally:
+        stop_all(other)
+        wait_for_segments(master, len(servers))
 
 
 def test_pages_another_configuration_wrote_are_never_read(servers, master, tiny_qwen35, tmp_path_factory):

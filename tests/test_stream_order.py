@@ -45,11 +45,13 @@ def test_an_anchor_backed_up_to_hicache_has_its_index_copied_on_the_forward_stre
         backup_from_device_all_layer=rec.record("backup kernel")))
     controller = SimpleNamespace(io_backend="kernel", move_indices=rec.record("move_indices", (host_value, device)))
     group = SimpleNamespace(alloc=lambda n, pool: host_value, get_entry=lambda pool: entry)
-    self = SimpleNamespace(component_type="mamba", cache=SimpleNamespace(host_pool_group=group,
-                                                                         cache_controller=controller),
+    written = []  # the state's storage write, queued for a later step with the copy's event (none on a CPU)
+    self = SimpleNamespace(component_type="mamba", cache=SimpleNamespace(
+                               host_pool_group=group, cache_controller=controller,
+                               write_state_to_storage=lambda node, copied: written.append(copied)),
                            runtime=SimpleNamespace(forward_stream="forward-stream",
                                                    count_hicache_anchor_backup=lambda: None))
     data = SimpleNamespace(value=device, host_value=None)
     TailReplayMambaComponent._backup_state_to_hicache(self, SimpleNamespace(component_data={"mamba": data}))
     assert rec.calls == [("move_indices", True), ("backup kernel", True)]
-    assert data.host_value.tolist() == [3]
+    assert data.host_value.tolist() == [3] and written == [None]

@@ -305,3 +305,23 @@ def test_mooncake_pages_are_tagged_with_what_they_hold(tiny_qwen35, tiny_qwen3ne
         assert got == {**user, "extra_backend_tag": f"team_{tag}"}
     assert _storage_config(tiny_qwen35, "--enable-hierarchical-cache", "--hicache-storage-backend", "file") == {}
     assert _storage_config(tiny_qwen35) == {}
+
+
+def test_stored_states_are_tagged_with_their_layout():
+    """The scheduler's part of the tag (`storage_key.state_tag`, added to the launcher's): the per-slot shape and
+    dtype of the mamba pool's conv and SSM parts, whatever the pool's number of slots. The CPU flags' conv states
+    (bfloat16) and extra_buffer's (the model's float32) get different tags."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tailreplay_sglang.cache.storage_key import state_tag
+
+    def pool(slots: int, conv_dtype, ssm_dtype=torch.float32):
+        return SimpleNamespace(conv=[torch.zeros(3, slots, 96, 3, dtype=conv_dtype)],
+                               temporal=torch.zeros(3, slots, 4, 16, 16, dtype=ssm_dtype))
+
+    tag = state_tag(pool(8, torch.float32))
+    assert tag.startswith("s-") and tag == state_tag(pool(64, torch.float32))
+    assert len({tag, state_tag(pool(8, torch.bfloat16)), state_tag(pool(8, torch.float16)),
+                state_tag(pool(8, torch.float32, torch.bfloat16))}) == 4

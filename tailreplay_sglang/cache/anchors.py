@@ -202,4 +202,7 @@ def insert_state_at_depth(cache, req, depth: int, slot) -> bool:
     value = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64, copy=True)
     result = cache.insert(InsertParams(key=key, value=value, mamba_value=slot, prev_prefix_len=depth,
                                        inserted_len=depth, priority=req.priority or 0))
-    return not result.mamba_exist
+    if result.mamba_exist:
+        return False
+    cache.back_up_state(result.last_device_node)  # to the host and to storage, where those tiers are on
+    return True

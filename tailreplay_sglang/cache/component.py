@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
 )
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
+from tailreplay_sglang.cache import storage_anchors
 from tailreplay_sglang.cache.anchors import insert_state_at_depth
 from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
 from tailreplay_sglang.cache.request import (
@@ -227,21 +228,49 @@ class TailReplayMambaComponent(TaintedKVComponent):
     # ---- HiCache (`cache/hierarchy.py`) ----
 
     def build_hicache_transfers(self, node, phase, **kwargs):
-        """A node's anchor state goes to HiCache's host mamba pool with its KV, as stock's does (an anchor added
-        to a node already backed up follows through SGLang's incremental backup). Nothing else moves: a hit copies
-        its anchor from the host itself (`anchor_copy`), whether or not it is its match end, so no load-back brings
-        a state back, and no state goes to storage, whose hits start from the root or a state held here."""
-        if phase == CacheTransferPhase.BACKUP_HOST:
+        """A node's anchor state goes to HiCache's host mamba pool with its KV, and from there to storage with the
+        node's pages, as stock's does (an anchor added to a node already backed up follows through SGLang's
+        incremental backup). A storage prefetch reads a state only past the exact budget (`storage_anchors`). No
+        load-back brings a state back: a hit copies its anchor from the host itself (`anchor_copy`), whether or not
+        it is its match end."""
+        if phase in (CacheTransferPhase.BACKUP_HOST, CacheTransferPhase.BACKUP_STORAGE):
             return super().build_hicache_transfers(node, phase, **kwargs)
+        if phase == CacheTransferPhase.PREFETCH and kwargs.get("staging_tokens"):
+            transfers = super().build_hicache_transfers(node, phase, **kwargs)
+            ask = self._state_ask(node, kwargs.get("prefetch_tokens", 0))
+            return [storage_anchors.ask_for_state(transfer, ask) for transfer in transfers]
         return None
+
+    def commit_hicache_transfer(self, node, phase, transfers=(), **kwargs):
+        if phase == CacheTransferPhase.PREFETCH and transfers and transfers[0].host_indices is None:
+            return  # the hit ended within the exact budget: no state was staged or read (`storage_anchors`)
+        super().commit_hicache_transfer(node, phase, transfers, **kwargs)
 
     def prepare_load_back(self, node_id, *, req=None):
         return PrepareLoadBackResult()  # the hit's slot was taken at the match
 
     def prepare_prefetch(self, node_id, *, prefetch_tokens: int = 0):
-        # Stock stages one state per storage fetch and cuts the fetch back to the pages it has a state for; here
-        # any token boundary of the fetched KV is a match end.
-        return PreparePrefetchResult()
+        """One state slot staged for a fetch that runs past the exact budget from the deepest anchor above it; none
+        otherwise: then any token boundary of the fetched KV is an exact match end (stock stages one for every
+        fetch and cuts it back to the pages it has a state for)."""
+        ask = self._state_ask(self.tree_core.node_by_id(node_id), prefetch_tokens)
+        if not self.cache.enable_storage or ask is None or ask.free_pages * ask.page_size >= prefetch_tokens:
+            return PreparePrefetchResult()
+        return PreparePrefetchResult(staging_tokens=1)
+
+    def _state_ask(self, node, prefetch_tokens: int):
+        """A fetch below `node`: which of its pages replay exactly from the deepest anchor above it (None: no anchor
+        is ever used)."""
+        config = self.runtime.config
+        if not config.anchored:
+            return None
+        depth, walk = 0, node
+        while walk is not None and walk is not self.tree_core.root_node:
+            depth, walk = depth + len(walk.key), walk.parent
+        _, anchor_depth = self.deepest_anchor(node, depth)
+        page = self.cache.page_size
+        free = storage_anchors.exact_pages(config, anchor_depth, depth, prefetch_tokens // page, page)
+        return storage_anchors.StateAsk(free, depth, page, config.budget)
 
     def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions):
         super().recover_after_unevict(node, prefix_len, total_prefix_len, params, result, cache_actions)
@@ -281,8 +310,12 @@ class TailReplayMambaComponent(TaintedKVComponent):
             host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
             entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices,
                                                          controller.io_backend)
+            stored = torch.cuda.Event() if isinstance(self.runtime.forward_stream, torch.cuda.Stream) else None
+            if stored is not None:
+                stored.record()  # the storage thread reads the host copy once this copy is done
         data.host_value = host_value.clone()
         self.runtime.count_hicache_anchor_backup()
+        self.cache.write_state_to_storage(node, stored)
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         """One step of the mamba LRU walk: tombstone the next unlocked anchor (`_next_victim`), leaf or not.

@@ -13,17 +13,21 @@
   node's taint lives on the tree node, and storage keeps pages by prefix hash.
 
 Anchor states go to HiCache's host mamba pool with their nodes (stock's backup of a node's state), and a hit copies
-its anchor from there (`anchor_copy.restore_from_hicache`).
+its anchor from there (`anchor_copy.restore_from_hicache`); from the host pool they go to storage with their nodes'
+pages, and a storage hit past the exact budget reads the deepest one inside it (`storage_anchors.py`).
 """
 
+import json
 import logging
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, SidecarPoolSpec
 from sglang.srt.mem_cache.pool_host.group import PoolEntry
+from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from tailreplay_sglang.cache.request import is_tainted, peek
+from tailreplay_sglang.cache.storage_key import state_tag, with_storage_tag
 from tailreplay_sglang.store.hicache_pool import HiddenHostPool
 
 logger = logging.getLogger(__name__)
@@ -38,9 +42,12 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def __init__(self, params, runtime):
         self.runtime = runtime  # before SGLang's init, which calls init_hicache
+        self._state_backups: list = []  # anchors to back up to the host (then storage) at a later step
+        self._state_writes: list = []  # (node, CUDA event or None): states to write to storage at the next step
         super().__init__(params)
 
     def init_hicache(self, server_args, params) -> None:
+        self._tag_state_layout(params)
         super().init_hicache(server_args, params)
         if self.cache_controller is None or self.runtime.store is None:
             return
@@ -53,6 +60,21 @@ class TailReplayRadixCache(UnifiedRadixCache):
                                              layer_mapper=None))
         logger.info("Tail-Replay: hidden store's host twin for HiCache, %d host slots, %.1f MiB", host_pool.size,
                     host_pool.nbytes / 2**20)
+
+    def _tag_state_layout(self, params) -> None:
+        """Mooncake: the launcher's page tag (`storage_key.storage_tag`) extended by the layout of this server's
+        states (`storage_key.state_tag`), known only here, before HiCache reads the extra config."""
+        from sglang.srt.runtime_context import get_memory
+
+        memory = get_memory()
+        if memory.hicache_storage_backend != "mooncake" or self.runtime.store is None:
+            return
+        tag = state_tag(params.req_to_token_pool.mamba_pool.mamba_cache)
+        # the scheduler's own copy of the flags, read-only to SGLang's code: this is the one write before any read
+        memory._set("hicache_storage_backend_extra_config",
+                    with_storage_tag(memory.hicache_storage_backend_extra_config, tag))
+        logger.info("Tail-Replay: storage tag %s", json.loads(memory.hicache_storage_backend_extra_config)[
+            "extra_backend_tag"])
 
     def init_load_back(self, params):
         loaded = super().init_load_back(params)
@@ -68,4 +90,46 @@ class TailReplayRadixCache(UnifiedRadixCache):
         if is_tainted(self.tree_core.node_by_id(node_id)):
             return
         super().write_backup_storage(node_id)
+
+    def back_up_state(self, node_id) -> None:
+        """An anchor inserted at a node whose KV is already backed up (its request's write-through was issued
+        before the anchor's insert split the node there) gets no host copy from SGLang, so no place in storage
+        either: its backup is issued at a scheduler step where the node has no write-through pending, the state
+        alone (SGLang's backup spec leaves out KV on the host), and that backup's ack writes it to storage with the
+        node's pages. Only with storage: a host hit copies an anchor the device pool evicts itself
+        (`_backup_state_to_hicache`)."""
+        if self.cache_controller is not None and self.enable_storage:
+            self._state_backups.append(self.tree_core.node_by_id(node_id))
+
+    def write_state_to_storage(self, node, copied=None) -> None:
+        """A state that got its host copy after its node's pages were written (an evicted interval anchor) goes to
+        storage at the next scheduler step, once the copy (`copied`, a CUDA event on the forwards' stream) is done:
+        not from inside the eviction that made the copy, whose walk the storage write's host lock would change."""
+        if self.enable_storage:
+            self._state_writes.append((node, copied))
+
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()  # write-through acks first: they clear the nodes' pending backups
+        backups, self._state_backups = self._state_backups, []
+        for node in backups:
+            state = node.component_data[ComponentType.MAMBA]
+            if not self._in_tree(node) or state.value is None or state.host_value is not None or not node.backuped:
+                continue  # evicted (`_backup_state_to_hicache` took over), deleted, or backed up since
+            if node.write_through_pending_id is not None:
+                self._state_backups.append(node)  # its KV's own write-through: after its ack
+            else:
+                self._execute_and_commit_kv_backup(BackupKV(node_ids=[node.id]))
+        writes, self._state_writes = self._state_writes, []
+        for node, copied in writes:
+            if copied is not None:
+                copied.synchronize()  # a step later: done
+            state = node.component_data[ComponentType.MAMBA]
+            if self._in_tree(node) and node.backuped and state.host_value is not None:
+                self.write_backup_storage(node.id)  # its KV and hidden pages again, which the backends skip
+
+    def _in_tree(self, node) -> bool:
+        try:
+            return self.tree_core.node_by_id(node.id) is node
+        except KeyError:  # deleted since
+            return False
 

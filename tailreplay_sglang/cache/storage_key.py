@@ -5,7 +5,12 @@ SGLang's Mooncake backend names a page by its prefix hash behind a prefix of `ex
 `--kv-cache-dtype` or hidden-row dtype would read each other's pages: KV of another dtype, hidden rows of another
 width or group split, restored and then replayed as exact. So the launcher adds a tag naming what its pages hold, a
 short hash of those settings, to the extra config it hands to the scheduler: servers that agree on them share pages,
-others never see each other's.
+others never see each other's. The anchors' states go to the store too (`storage_anchors.py`), and their layout is
+resolved only in the scheduler (the conv dtype follows `SGLANG_MAMBA_CONV_DTYPE`, which the CPU port sets to the
+model's dtype under extra_buffer; the SSM dtype follows `--mamba-ssm-dtype`): the scheduler adds `state_tag` of its
+mamba pool before HiCache reads the config (`TailReplayRadixCache.init_hicache`), so a server reads no state of
+another layout (a state of another size fails the read and loses the whole prefetch; one of the same size but
+another dtype would be read as exact).
 """
 
 import hashlib
@@ -24,6 +29,13 @@ def storage_tag(args, hidden_dtype: str) -> str:
             "page_size": getattr(args, "page_size", None)}
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     return f"tr{FORMAT}-{digest}"
+
+
+def state_tag(mamba_cache) -> str:
+    """'s-<hash>' of one state's layout in the mamba pool: the per-slot shape and dtype of every conv part and of
+    the SSM part."""
+    parts = [(list(t.shape[:1]) + list(t.shape[2:]), str(t.dtype)) for t in (*mamba_cache.conv, mamba_cache.temporal)]
+    return "s-" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:8]
 
 
 def with_storage_tag(extra_config: str | None, tag: str) -> str:
