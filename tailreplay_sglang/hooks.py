@@ -101,12 +101,14 @@ RUNTIME = (
          "KV host slot (cache/hierarchy.py), takes its part of that share, as SGLang's own sidecar pools do",
          bound=True),
     Hook(f"{_CONTROLLER}._storage_hit_query", "around", f"{_PKG}.cache.storage_anchors:widen_stop_points",
-         "a storage prefetch's hit query (its thread): a fetch that asked for a state past the exact budget may "
-         "still stop at any page within the budget, where it needs none (stock's trailing-page rule stops only at "
-         "a stored state)"),
+         "a storage prefetch's hit query (its thread): a fetch that asked for a state past the exact budget takes "
+         "every stored page and the deepest state within the budget of their end, or stops within the budget of the "
+         "server's own anchor (stock's trailing-page rule stops only at a stored state)"),
     Hook(f"{_CONTROLLER}._sync_prefetch_hit_query", "around", f"{_PKG}.cache.storage_anchors:drop_unneeded_state",
-         "the hit is agreed over ranks and no host slot is staged yet: a hit ending within the budget reads no "
-         "state"),
+         "the hit is agreed over ranks and no host slot is staged yet: a hit that needs no state reads none"),
+    Hook(f"{_CONTROLLER}._sync_trailing_keys", "around", f"{_PKG}.cache.storage_anchors:read_planned_state",
+         "just before a prefetch reads its state: SGLang keys it by the hit's last page, the planned state may lie "
+         "before it (a hit past the budget replays from the deepest state stored within the budget of its end)"),
     Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
          "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
          "layers); before CUDA graphs are captured", bound=True),

@@ -6,7 +6,8 @@ Stock first: two stock servers share a prefix through the store, where a state w
 Tail-Replay on three servers: a prefix the first computed is hit by the second and the third at off-grid
 boundaries, the hidden rows read from the store beside the KV (`HiddenHostPool.get_page_buffer_meta`: the pages are
 moved in place, no copy): within the budget replayed from the root, past it from the deepest state the first server
-stored inside the hit (`cache/storage_anchors.py`), exact and equal to the server's own no-cache prefill. Tainted
+stored within the budget of the hit's end (`cache/storage_anchors.py`), exact and equal to the server's own
+no-cache prefill. Tainted
 KV never reaches the store; pages another configuration wrote are never read (`cache/storage_key.py`). Faults last
 (they empty the store): the master restarted mid-traffic, servers leaving the cluster with pages in their segments.
 """
@@ -17,8 +18,8 @@ import time
 
 import pytest
 
-from helpers import (CONTEXT, QUESTION, RunningTest, assert_exact, generate, launch, mooncake_spec, random_ids, scored,
-                     start_servers, stop_all, wait_for_keys)
+from helpers import (CONTEXT, QUESTION, RunningTest, assert_anchored_hit, assert_exact, generate, launch, mooncake_spec,
+                     random_ids, scored, start_servers, stop_all, wait_for_keys)
 from tailreplay_eval.harness import server_info
 from tailreplay_eval.mooncake_store import SEGMENT_BYTES, MooncakeMaster
 from tailreplay_eval.server import flush_cache
@@ -114,10 +115,11 @@ def test_stock_servers_share_a_prefix_through_the_store(servers, master):
 
 
 def test_tail_replay_servers_hit_the_store_off_grid(servers, master):
-    """tr_a computes two contexts; tr_b and tr_c, which never saw them, hit them in the store off the track grid:
-    at 450 and 333, within the exact budget (512), replayed from the root over hidden rows read from the store; at
-    600 and 650, past it, from the deepest state tr_a stored inside the hit (its interval anchor at 512, its track
-    state at 640), read from the store, the hit cut back to it. Every hit is exact and equals no cache."""
+    """tr_a computes two contexts; tr_b and tr_c, which never saw them, hit them in the store off the track grid,
+    every stored token reused: at 450 and 333, within the exact budget (512), replayed from the root over hidden
+    rows read from the store; at 600 and 650, past it, from the deepest state tr_a stored within the budget (its
+    interval anchor at 512, replayed over 88 tokens; its track state at 640, 10 tokens short of the hit: folded into
+    the extend), read from the store with the pages. Every hit is exact and equals no cache."""
     a = servers["tr_a"]
     contexts = [random_ids(CONTEXT, seed=s) for s in (111, 113)]
     for context in contexts:
@@ -130,11 +132,9 @@ def test_tail_replay_servers_hit_the_store_off_grid(servers, master):
         prompt = contexts[context][:cut] + random_ids(QUESTION, seed=112 + cut)
         hit = scored(srv, prompt, cut)
         meta = hit["meta"]
-        assert_storage_hit(hit, anchor or cut, exact=True)
-        if anchor:  # the stored state is the hit's anchor: nothing to replay
-            assert meta["tail_replay_anchor"] == anchor and meta["tail_replay_tokens"] == 0, meta
-        else:
-            assert meta["tail_replay_tokens"] == cut, meta
+        assert_anchored_hit(meta, cut)
+        assert meta["tail_replay_anchor"] == anchor and meta["cached_tokens_details"]["storage"] >= meta[
+            "cached_tokens"] > 0, meta
         checks.append((srv, name, cut, prompt, hit))
     for srv, name, cut, prompt, hit in checks:  # references last: a flush empties the device and host tiers
         assert_exact(hit, fresh_reference(srv, prompt, cut, extra_key=f"no-cache {name} {cut}"))

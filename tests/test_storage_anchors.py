@@ -1,5 +1,5 @@
 """Anchors in HiCache's storage tier, without a server (`tailreplay_sglang/cache/storage_anchors.py`): which pages
-of a fetch replay exactly from the server's own anchor, where a storage hit ends, and the two hooks on SGLang's
+of a fetch replay exactly from the server's own anchor, how a storage hit is planned, and the three hooks on SGLang's
 prefetch thread, driven with SGLang's own transfer and result types and a hit query that judges pools the way
 the `file` and Mooncake backends do (in order, stopping once no stop point is left). The servers' side is
 tests/test_mooncake_store.py."""
@@ -11,7 +11,7 @@ import pytest
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 from tailreplay_sglang.cache.storage_anchors import (STATE_ASK, StateAsk, drop_unneeded_state, exact_pages,
-                                                     widen_stop_points)
+                                                     read_planned_state, state_depth, widen_stop_points)
 from tailreplay_sglang.config import TailReplayConfig
 
 CONFIGS = [TailReplayConfig(), TailReplayConfig(exact_budget=100), TailReplayConfig(anchor_interval=0),
@@ -36,16 +36,17 @@ def ask(free: int, budget: int = 512, start: int = 0, page: int = 1) -> StateAsk
     return StateAsk(free, start, page, lambda m: budget)
 
 
-@pytest.mark.parametrize("stored, with_state, end", [
-    (450, set(), 450),  # within the budget: all of it, no state
-    (600, {512}, 512),  # past it: cut back to the stored state
-    (650, {512, 640}, 640),  # the deepest one
-    (600, set(), 512),  # no state inside: cut back to the budget's end, exact from the root
-    (2000, {512}, 2000),  # the deepest exact point leaves more than a budget unread: all of it, approximate
-    (1100, {512, 1024}, 1024),
+@pytest.mark.parametrize("stored, with_state, plan", [
+    (450, set(), (450, None)),  # within the budget of the server's own anchor: all of it, no state
+    (600, {512}, (600, 512)),  # past it: all of it, replayed from the stored state
+    (650, {512, 640}, (650, 640)),  # the deepest one
+    (600, set(), (512, None)),  # no state: cut back to the budget's end, exact from the server's anchor
+    (2000, {512}, (2000, None)),  # no state within a budget of the end, and the cut would lose more: approximate
+    (1100, {512, 1024}, (1100, 1024)),
+    (900, {300}, (512, None)),  # the state is too far back, the budget's end is not: cut back there
 ])
-def test_a_hit_ends_at_the_deepest_exact_point_a_budget_from_its_end(stored, with_state, end):
-    assert ask(512).stop(stored, with_state) == end
+def test_a_hit_reads_the_deepest_state_within_a_budget_of_its_end(stored, with_state, plan):
+    assert ask(512).plan(stored, with_state) == plan
 
 
 def hit_query(kv: int, hidden: int, states: set[int]):
@@ -71,9 +72,9 @@ def hit_query(kv: int, hidden: int, states: set[int]):
     return original
 
 
-def prefetch(free: int):
+def prefetch(free: int, start: int = 0):
     state = PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
-    setattr(state, STATE_ASK, ask(free))
+    setattr(state, STATE_ASK, StateAsk(free, start, 1, lambda m: 512))
     hidden = PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)
     return state, SimpleNamespace(pool_transfers=[state, hidden], all_hash_values=[f"h{i}" for i in range(1, 1001)])
 
@@ -84,27 +85,45 @@ def deepest(controller, operation, storage_hit_count):
     return max(pages, default=0)
 
 
+def trailing(controller, transfers, all_hashes, kv_hit_pages):
+    """SGLang's `_sync_trailing_keys` for one state: the hit's last page."""
+    for transfer in transfers:
+        transfer.keys = all_hashes[kv_hit_pages - 1:kv_hit_pages]
+
+
 CONTROLLER = SimpleNamespace(page_size=1)
 
 
-@pytest.mark.parametrize("kv, hidden, states, end, reads_state", [
-    (600, 600, {512}, 512, True),
-    (600, 600, set(), 512, False),  # stock's rule alone: no hit at all
-    (600, 450, {512}, 450, False),  # the hidden rows stop first: within the budget, no state needed
-    (450, 450, set(), 450, False),
-    (700, 700, {512, 640}, 640, True),
-    (0, 0, set(), 0, False),
+@pytest.mark.parametrize("kv, hidden, states, end, state", [
+    (600, 600, {512}, 600, 512),
+    (600, 600, set(), 512, None),  # stock's rule alone: no hit at all
+    (600, 450, {512}, 450, None),  # the hidden rows stop first: within the budget, no state needed
+    (450, 450, set(), 450, None),
+    (700, 700, {512, 640}, 700, 640),
+    (650, 650, {650}, 650, 650),  # a state at the last page: stock's own case
+    (0, 0, set(), 0, None),
 ])
-def test_the_prefetch_stops_where_it_replays_exactly_and_reads_a_state_only_there(kv, hidden, states, end,
-                                                                                   reads_state):
-    state, operation = prefetch(free=512)
+def test_the_prefetch_takes_every_stored_page_and_reads_the_state_it_replays_from(kv, hidden, states, end, state):
+    transfer, operation = prefetch(free=512, start=100)
     hashes, stored = widen_stop_points(hit_query(kv, hidden, states), CONTROLLER, operation)
     assert stored == min(kv, hidden) and hashes == operation.all_hash_values[:stored]
-    assert operation.pool_transfers[-1] is state  # judged last, so the hidden pages' verdict is there
+    assert operation.pool_transfers[-1] is transfer  # judged last, so the hidden pages' verdict is there
     hit = drop_unneeded_state(deepest, CONTROLLER, operation, stored)
     assert hit == end
-    assert (state in operation.pool_transfers) is reads_state
-    assert (state.keys == []) is not reads_state  # a dropped transfer stages no host slot
+    assert (transfer in operation.pool_transfers) is (state is not None)
+    if state is None:
+        assert transfer.keys == [] and state_depth(transfer) is None  # no host slot staged, nothing to commit
+        return
+    read_planned_state(trailing, CONTROLLER, [transfer], operation.all_hash_values[:hit], hit)
+    assert transfer.keys == [f"h{state}"] and state_depth(transfer) == 100 + state
+
+
+def test_a_rank_that_cut_the_hit_shorter_reads_the_state_at_its_end_if_stored():
+    transfer, operation = prefetch(free=512)
+    widen_stop_points(hit_query(700, 700, {512, 600, 640}), CONTROLLER, operation)
+    assert drop_unneeded_state(lambda *_: 600, CONTROLLER, operation, 700) == 600
+    read_planned_state(trailing, CONTROLLER, [transfer], operation.all_hash_values[:600], 600)
+    assert transfer.keys == ["h600"] and state_depth(transfer) == 600
 
 
 def test_a_prefetch_without_tail_replays_state_transfer_is_left_as_it_is():

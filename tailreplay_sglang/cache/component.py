@@ -22,6 +22,7 @@ states are not exact, and it donates none.
 """
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -242,9 +243,40 @@ class TailReplayMambaComponent(TaintedKVComponent):
         return None
 
     def commit_hicache_transfer(self, node, phase, transfers=(), **kwargs):
-        if phase == CacheTransferPhase.PREFETCH and transfers and transfers[0].host_indices is None:
-            return  # the hit ended within the exact budget: no state was staged or read (`storage_anchors`)
-        super().commit_hicache_transfer(node, phase, transfers, **kwargs)
+        if phase != CacheTransferPhase.PREFETCH or not transfers:
+            return super().commit_hicache_transfer(node, phase, transfers, **kwargs)
+        if transfers[0].host_indices is None:
+            return None  # the hit reads no state (`storage_anchors.drop_unneeded_state`): none was staged
+        depth, inserted = storage_anchors.state_depth(transfers[0]), kwargs.get("insert_result")
+        if depth is None or inserted is None or inserted.inserted_host_node is None:
+            return super().commit_hicache_transfer(node, phase, transfers, **kwargs)
+        # Stock puts the state on the hit's last node; the one read here may end before it: its node, split there.
+        at_depth = self._host_node_at(self.tree_core.node_by_id(inserted.inserted_host_node), depth,
+                                      kwargs["cache_actions"])
+        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)
+        super().commit_hicache_transfer(node, phase, transfers, **{**kwargs, "insert_result": pointed})
+        inserted.mamba_exist = pointed.mamba_exist
+        return None
+
+    def _host_node_at(self, end, depth: int, cache_actions):
+        """The node on the path ending at `end` that ends at `depth`, splitting the one that spans it."""
+        node_end = self._depth_of(end)
+        node = end
+        while node_end - len(node.key) >= depth:
+            node_end -= len(node.key)
+            node = node.parent
+        if node_end == depth:
+            return node
+        parent, action = self.tree_core._split_node(node.key, node, depth - (node_end - len(node.key)))
+        if action is not None:
+            cache_actions.append(action)
+        return parent
+
+    def _depth_of(self, node) -> int:
+        depth = 0
+        while node is not None and node is not self.tree_core.root_node:
+            depth, node = depth + len(node.key), node.parent
+        return depth
 
     def prepare_load_back(self, node_id, *, req=None):
         return PrepareLoadBackResult()  # the hit's slot was taken at the match
@@ -264,9 +296,7 @@ class TailReplayMambaComponent(TaintedKVComponent):
         config = self.runtime.config
         if not config.anchored:
             return None
-        depth, walk = 0, node
-        while walk is not None and walk is not self.tree_core.root_node:
-            depth, walk = depth + len(walk.key), walk.parent
+        depth = self._depth_of(node)
         _, anchor_depth = self.deepest_anchor(node, depth)
         page = self.cache.page_size
         free = storage_anchors.exact_pages(config, anchor_depth, depth, prefetch_tokens // page, page)

@@ -14,18 +14,17 @@ present. Tainted nodes are never written (`TailReplayRadixCache.write_backup_sto
 Reads. Stock asks every storage prefetch for the state at the hit's last page (one staged host slot, SGLang's
 trailing-page rule), and the hit stops at the deepest page whose state is stored: no state, no hit. Here a hit
 needs no state within the exact budget of the deepest anchor the server holds above the fetch (it replays from
-there), so a prefetch asks for one only when its span runs past that (`exact_pages`, `StateAsk`), and the hit query
-then picks where the hit ends (`widen_stop_points`, `StateAsk.stop`):
-- the whole stored span when it lies within the budget (no state read);
-- else the deepest exact stop point, a page whose state is stored or the budget's end, when that leaves at most a
-  budget's worth of stored pages unread: the state is read into the staged slot and lands on the hit's last node
-  (stock's commit), where the match finds it as an anchor in HiCache's host pool (`deepest_anchor`), and the
-  extend computes the rest;
-- else the whole span, approximate, as a local hit with no anchor in reach is.
-A hit that ends where no state is read drops the transfer before its slot is staged (`drop_unneeded_state`).
-
-Left: a hit cut back to a stored state does not read the KV past it, which a replay from it could reuse; that needs
-the state's slot keyed by a page other than the hit's last, which SGLang's trailing-page rule does not allow.
+there), so a prefetch asks for one only when its span runs past that (`exact_pages`, `StateAsk`), and its hit query
+plans the hit (`widen_stop_points`, `StateAsk.plan`):
+- all the stored pages within the budget: no state read;
+- else all of them, and the deepest state stored within the budget of their end, read into the staged slot
+  (`read_planned_state` keys the transfer by that state's page, not the last); stock's commit, pointed at the node
+  ending at the state's depth (split there, `TailReplayMambaComponent.commit_hicache_transfer`), puts it where the
+  match finds it as an anchor in HiCache's host pool, and the hit replays from it: exact, every stored token reused;
+- else, with no such state, the pages within the budget of the server's own anchor, if that leaves at most a
+  budget's worth unread (exact);
+- else all of them, approximate, as a local hit with no anchor in reach is.
+A hit that reads no state drops the transfer before its slot is staged (`drop_unneeded_state`).
 """
 
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
 STATE_ASK = "tail_replay_state_ask"  # a `StateAsk` on a prefetch's MAMBA transfer: what its hit query needs
-STORED = "tail_replay_stored_pages"  # set by the hit query: the span's pages whose state is stored
+STATE_PLAN = "tail_replay_state_plan"  # a `StatePlan`, set on the transfer by the hit query
 
 
 def exact_pages(config, anchor_depth: int, start: int, span_pages: int, page_size: int) -> int:
@@ -61,17 +60,32 @@ class StateAsk:
     page_size: int
     budget: Callable[[int], int]  # `TailReplayConfig.budget`
 
-    def stop(self, stored: int, with_state: set[int]) -> int:
-        """The page the hit ends at, of the `stored` pages the store has (KV and hidden rows) from the span's
-        start: all of them within the free pages; else the deepest exact stop point (a page with its state stored,
-        or the last free page) if that leaves at most a budget's worth of them unread; else all of them, an
-        approximate hit, as a local hit with no anchor in reach is."""
+    def plan(self, stored: int, with_state: set[int]) -> tuple[int, int | None]:
+        """(the page the hit ends at, the page whose state it reads or None), of the `stored` pages the store has
+        (KV and hidden rows) from the span's start and the pages `with_state` whose state it has."""
         if stored <= self.free_pages:
-            return stored
-        exact = max(self.free_pages, max(with_state, default=0))
-        if (stored - exact) * self.page_size <= self.budget(self.start + stored * self.page_size):
-            return exact
-        return stored
+            return stored, None
+        reach = self.budget(self.start + stored * self.page_size)
+        state = max((p for p in with_state if p <= stored), default=None)
+        if state is not None and (stored - state) * self.page_size <= reach:
+            return stored, state
+        if (stored - self.free_pages) * self.page_size <= reach:
+            return self.free_pages, None
+        return stored, None
+
+    def depth(self, page: int) -> int:
+        return self.start + page * self.page_size
+
+
+@dataclass
+class StatePlan:
+    """What the hit query planned (on the transfer): where the hit ends, and the state it reads."""
+
+    end: int
+    state: int | None
+    with_state: set[int]
+    hash_values: list[str]  # the span's page hashes
+    depth: int | None = None  # the state's depth in the tree, once the hit is agreed on
 
 
 def ask_for_state(transfer, ask: StateAsk):
@@ -80,14 +94,21 @@ def ask_for_state(transfer, ask: StateAsk):
     return transfer
 
 
+def state_depth(transfer) -> int | None:
+    """The tree depth of the state a prefetch's transfer read (None: not Tail-Replay's, or it read the last page's,
+    as stock's does)."""
+    plan = getattr(transfer, STATE_PLAN, None)
+    return None if plan is None else plan.depth
+
+
 def _state_transfer(operation):
     return next((t for t in operation.pool_transfers or () if hasattr(t, STATE_ASK)), None)
 
 
 def widen_stop_points(original, controller, operation):
     """Around `HybridCacheController._storage_hit_query` (the prefetch thread): the backend's stop points are the
-    pages whose state is stored (and whose KV and hidden pages are, up to them); this makes `StateAsk.stop` the
-    deepest one, which `_sync_prefetch_hit_query` then agrees on over ranks."""
+    pages whose state is stored (and whose KV and hidden pages are, up to them); the hit `StateAsk.plan` chose is
+    made the only deepest one, which `_sync_prefetch_hit_query` then agrees on over ranks."""
     transfer = _state_transfer(operation)
     if transfer is not None:  # last: the backends stop judging pools once no stop point is left
         operation.pool_transfers.remove(transfer)
@@ -101,22 +122,38 @@ def widen_stop_points(original, controller, operation):
     for other in operation.pool_transfers:
         if other is not transfer and other.hit_policy == PoolHitPolicy.ALL_PAGES:
             stored = min(stored, found.get(other.name, 0))
-    ask = getattr(transfer, STATE_ASK)
     with_state = {p for p in result.restorable_prefix_pages if p <= stored}
-    setattr(transfer, STORED, with_state)
-    end = ask.stop(stored, with_state) if stored else 0
-    points = with_state.union(range(1, min(ask.free_pages, stored) + 1), (stored,) if stored else ())
-    result.restorable_prefix_pages = sorted(p for p in points if p <= end)
+    end, state = getattr(transfer, STATE_ASK).plan(stored, with_state) if stored else (0, None)
+    setattr(transfer, STATE_PLAN, StatePlan(end, state, with_state, list(operation.all_hash_values)))
+    result.restorable_prefix_pages = sorted(with_state.union(range(1, end + 1)))
     return operation.all_hash_values[:stored], stored * controller.page_size
 
 
 def drop_unneeded_state(original, controller, operation, storage_hit_count: int) -> int:
-    """Around `_sync_prefetch_hit_query`: a hit that ends at a page with no stored state reads none (it needs none,
-    or is approximate): the state transfer leaves the operation before any host slot is staged for it."""
+    """Around `_sync_prefetch_hit_query`: the hit agreed on reads the planned state (another rank may have cut it
+    shorter: then the state at its last page, if stored); a hit that reads none drops the state transfer before any
+    host slot is staged for it."""
     hit = original(controller, operation, storage_hit_count)
     transfer = _state_transfer(operation)
-    if transfer is not None and hasattr(transfer, STORED) and hit // controller.page_size not in getattr(
-            transfer, STORED):
+    plan = getattr(transfer, STATE_PLAN, None)
+    if plan is None:
+        return hit
+    pages = hit // controller.page_size
+    state = plan.state if pages == plan.end else (pages if pages in plan.with_state else None)
+    if state is None:
         operation.pool_transfers.remove(transfer)
         transfer.keys = []  # no staging: `_alloc_prefetch_aux_staging` sizes it by its keys
+    else:
+        plan.depth = getattr(transfer, STATE_ASK).depth(state)
+        plan.state = state
     return hit
+
+
+def read_planned_state(original, controller, pool_transfers, all_hashes, kv_hit_pages) -> None:
+    """Around `_sync_trailing_keys`, just before the read: SGLang keys a state transfer by the hit's last page; the
+    planned state may lie before it."""
+    original(controller, pool_transfers, all_hashes, kv_hit_pages)
+    for transfer in pool_transfers:
+        plan = getattr(transfer, STATE_PLAN, None)
+        if plan is not None and plan.state is not None:
+            transfer.keys = [plan.hash_values[plan.state - 1]]
