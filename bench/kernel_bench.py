@@ -8,8 +8,10 @@ Where this package is not installed (a GPU machine), run it from the repository 
 
 One GDN layer (16 key heads, 32 value heads, K = V = 128) replays N tails of k tokens each from zero state and
 writes the final states into mamba slots. Variants:
-- GPU (bfloat16): the Triton kernel state-only and with outputs, fla's chunk_gated_delta_rule (outputs + final
-  state, gating and l2norm in kernel, states then scattered into the slots), and the per-token loop;
+- GPU (bfloat16): the Triton kernel state-only and with outputs, what a replay dispatches to (that kernel, or for
+  tails past `CHUNK_KERNEL_FROM` tokens fla's chunk kernel as SGLang ships it, states in place), fla's
+  chunk_gated_delta_rule (outputs + final state, gating and l2norm in kernel, states then scattered into the
+  slots), and the per-token loop;
 - CPU (float32): the chunked torch replay state-only and with outputs, and the per-token loop; the grid runs
   --passes times and each cell keeps its best time, as other work on a shared CPU comes in bursts.
 The per-token loop is the decode op (`tailreplay_sglang.ops.gdn.recurrent_gated_delta_rule_update`, all tails
@@ -32,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tailreplay_sglang.kernels import gdn_replay_fwd, gdn_replay_torch
+from tailreplay_sglang.kernels import gdn_replay, gdn_replay_fwd, gdn_replay_torch
 from tailreplay_sglang.ops import gdn as cpu_gdn
 
 # Not named kernels.py: Python puts a script's folder first on the module search path, where a bench/kernels.py
@@ -120,12 +122,17 @@ def variants(device: str):
         return lambda x: gdn_replay_fwd(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["cu"],
                                         x["slots"], x["pool"], state_only=state_only)
 
+    def dispatched(x):  # what a replay runs: the kernel above, or fla's chunk kernel for long tails
+        gdn_replay(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["cu"], x["slots"], x["pool"],
+                   x["max_tail"])
+
     if device == "cpu":
         return {"torch chunked, state only": (False, torch_chunked(True)),
                 "torch chunked + outputs": (True, torch_chunked(False)),
                 PER_TOKEN: (True, per_token_loop)}
     return {"triton, state only": (False, triton_kernel(True)),
             "triton + outputs": (True, triton_kernel(False)),
+            "replay (dispatched) + outputs": (True, dispatched),
             "fla chunk + outputs": (True, fla_chunk),
             PER_TOKEN: (True, per_token_loop)}
 
@@ -161,7 +168,7 @@ def bench_config(device, dtype, N, k, per_token_tokens) -> dict[str, float]:
     for name, (_, fn) in variants(device).items():
         m = measured_tokens(name, k, per_token_tokens)
         x = full if m == k else make_inputs(N, m, device, dtype)
-        x["cu_cpu"] = x["cu"].cpu().long()
+        x["cu_cpu"], x["max_tail"] = x["cu"].cpu().long(), m
         with torch.inference_mode():
             seconds[name] = time_call(lambda: fn(x), device) * k / m
     return seconds

@@ -66,7 +66,7 @@ def main() -> None:
             configs = {f"{kind}{i}": flags + store_flags + tuple(run.server_args) for i in range(args.workers)}
             logs = run.out.with_name(f"{run.out.stem}-{kind}.json")  # harness names each log after it
             with harness.running_servers(run.model_path, configs, logs, console, envs=pinned,
-                                         max_total_tokens=32768) as servers:
+                                         max_total_tokens=32768, gpu_scheduling=args.gpu_scheduling) as servers:
                 urls = [servers[label].base_url for label in configs]
                 for policy in POLICIES:
                     log = run.out.with_suffix(f".router-{kind}-{policy}.log")

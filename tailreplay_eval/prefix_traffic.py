@@ -42,7 +42,9 @@ def run_shape(url: str, flush_urls: list[str], conversation: bool, tok, args, st
     emptied first and whose bytes are reported). `placement(client)`: extra /generate fields for that client's
     requests (`routed_dp_rank`), or None. `args`: clients, requests, system_words, gen_tokens."""
     for server_url in flush_urls:
-        flush_cache(server_url)
+        # With a Mooncake store a flush waits for the last writes to it; one that stalls ("no transfer progress
+        # within 30s", docs/results.md 2i) fails after Mooncake's own 30 s timeout, so the flush may take longer.
+        flush_cache(server_url, timeout=30.0 if store is None else 120.0)
     if store is not None:  # SGLang's endpoint empties the whole store, every client's pages
         requests.post(f"{flush_urls[0]}/hicache/storage-backend/clear", timeout=60).raise_for_status()
     seen, records, lock = harness.Seen(), [], threading.Lock()

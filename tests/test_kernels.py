@@ -28,6 +28,8 @@ from triton.runtime.autotuner import Heuristics
 
 from helpers import rel_err
 from tailreplay_sglang import kernels
+from tailreplay_sglang.ops import conv as ops_conv
+from tailreplay_sglang.ops import gdn as ops_gdn
 
 TOL = 1e-5
 BF16_TOL = 2e-2  # bfloat16 inputs and outputs, TF32 dots; the reference sees the same rounded inputs
@@ -303,6 +305,67 @@ def test_triton_replay_gdn_layer_random_shapes_from_slot_states(seed):
 @pytest.mark.parametrize("prefix_lens,tail_lens,H,HV,K,V", ANCHOR_CASES)
 def test_triton_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H, HV, K, V):
     _check_anchored_replay(kernels.replay_gdn_layer_triton, prefix_lens, tail_lens, H, HV, K, V, DEVICE)
+
+
+def _fla_chunk_contract(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        state_v_first, cu_seqlens):
+    """fla-core's `chunk_gated_delta_rule` as its documentation states it, for the arguments the replay passes, on
+    the torch op (checked against the float64 recurrence above): fla's kernels neither run on a CPU nor under the
+    interpreter (they autotune on a device and loop over tensors the interpreter gives as ints)."""
+    assert output_final_state and use_qk_l2norm_in_kernel and state_v_first and cu_seqlens.dtype == torch.int64
+    assert initial_state.dtype == torch.float32 and g.dtype == beta.dtype == torch.float32
+    start = initial_state.clone()
+    o, final = ops_gdn.chunk_gated_delta_rule(q, k, v, g, beta, start, cu_seqlens, use_qk_l2norm_in_kernel=True)
+    return o, final
+
+
+@pytest.mark.parametrize("initial", INITIAL)
+@pytest.mark.parametrize("state_only", [False, True], ids=["with-output", "state-only"])
+def test_the_chunk_kernel_path_replays_from_the_slots_and_writes_them_back(state_only, initial, monkeypatch):
+    """What the replay does around fla's chunk kernel (gates, each tail's state gathered from its slot in SGLang's
+    value-major layout and the final one written back), with fla's kernel stood in for by its documented contract
+    (`_fla_chunk_contract`), against the float64 reference: outputs, and the slots and nothing else written. The real
+    kernel runs this path on a GPU (`test_triton_replay_gdn_layer_bfloat16_on_the_chunk_kernel`)."""
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    from tailreplay_sglang.kernels import replay
+
+    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", _fla_chunk_contract)
+    monkeypatch.setattr(replay, "CHUNK_KERNEL_FROM", 0)
+    monkeypatch.setattr(replay, "replay_causal_conv1d", _conv_on_torch)
+    _check_layer_replay(kernels.replay_gdn_layer_triton, [3, 70, 1], 2, 4, 32, 32, state_only, "cpu",
+                        initial=initial)
+
+
+def _conv_on_torch(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen):
+    """The replay's conv (Triton elsewhere) on the torch op, for the CPU test of the path around fla's kernel."""
+    from_slot = torch.ones(len(slots), dtype=torch.bool)
+    return ops_conv.causal_conv1d_fwd(mixed_qkv.T, conv_weight, conv_bias, conv_states, cu_seqlens, slots, from_slot,
+                                      "silu").T
+
+
+@needs_cuda
+@pytest.mark.parametrize("initial", INITIAL)
+def test_triton_replay_gdn_layer_bfloat16_on_the_chunk_kernel(initial, monkeypatch):
+    """fla's chunk kernel itself on the replay's path (a lent GPU: scripts/gpu_check.sh runs this file natively)."""
+    from tailreplay_sglang.kernels import replay
+
+    monkeypatch.setattr(replay, "CHUNK_KERNEL_FROM", 0)
+    _check_layer_replay(kernels.replay_gdn_layer, [3, 70, 1], 2, 4, 32, 32, False, "cuda", dtype=torch.bfloat16,
+                        tol=BF16_TOL, initial=initial)
+
+
+def test_a_replay_takes_the_chunk_kernel_only_past_the_measured_crossover(monkeypatch):
+    """The dispatch: this package's kernel up to `CHUNK_KERNEL_FROM` tokens in the longest tail (4,096: between the
+    H200's 2,048, where it was 1.7x faster than fla's, and 8,192, where fla's was 2x faster), fla's past it."""
+    from tailreplay_sglang.kernels import replay
+
+    calls = []
+    monkeypatch.setattr(replay, "gdn_replay_fwd", lambda *a, **kw: calls.append("project"))
+    monkeypatch.setattr(replay, "gdn_replay_chunk_kernel", lambda *a, **kw: calls.append("fla"))
+    for longest in (1, 2048, 4096, 4097, 32768):
+        replay.gdn_replay(*[None] * 10, max_seqlen=longest)
+    assert kernels.CHUNK_KERNEL_FROM == 4096 and calls == ["project"] * 3 + ["fla"] * 2
 
 
 @needs_cuda

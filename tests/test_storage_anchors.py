@@ -132,3 +132,27 @@ def test_a_prefetch_without_tail_replays_state_transfer_is_left_as_it_is():
     assert widen_stop_points(hit_query(600, 600, set()), CONTROLLER, operation)[1] == 600
     assert operation.pool_storage_result.restorable_prefix_pages == list(range(1, 601))
     assert drop_unneeded_state(deepest, CONTROLLER, operation, 600) == 600 and operation.pool_transfers == [hidden]
+
+
+def test_a_hit_folded_to_its_anchor_is_not_queried_again():
+    """SGLang re-queries storage when the match at admission is shorter than the one its lookup saw; a fold shortens
+    it by design (the lookup matches without planning the hit). `keep_folded_match` takes the folded match as the
+    one seen; a match shorter for another reason (evicted KV) is still re-queried."""
+    from tailreplay_sglang.cache.hierarchy import keep_folded_match
+    from tailreplay_sglang.cache.request import state_of
+
+    calls = []
+
+    def original(scheduler, req):
+        calls.append(req.rid)
+        return True
+
+    def req(rid, folded_from, seen=3619, prefix=3584):
+        r = SimpleNamespace(rid=rid, storage_prefetch_last_match_len=seen, prefix_len=prefix, host_hit_length=0)
+        state_of(r).folded_from = folded_from
+        return r
+
+    folded, evicted, unfolded = req("folded", 3619), req("evicted", 3619, seen=4000), req("unfolded", None)
+    assert keep_folded_match(original, None, folded) is False and folded.storage_prefetch_last_match_len == 3584
+    assert keep_folded_match(original, None, evicted) is True  # it lost KV beyond what the fold explains
+    assert keep_folded_match(original, None, unfolded) is True and calls == ["evicted", "unfolded"]

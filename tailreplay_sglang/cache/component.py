@@ -135,18 +135,19 @@ class TailReplayMambaComponent(TaintedKVComponent):
         config = self.runtime.config
         anchor, c = self.deepest_anchor(end, m)
         clean = not is_tainted(end)  # else the KV and hiddens the hit reuses are approximate, whatever its state
-        fold = None
+        fold, folded_from = None, None
         if config.anchored and m - c <= config.budget(m):
             if anchor is not None:  # else SGLang gives the request a cleared slot at prepare_for_extend
                 self._stage_anchor_state(req, anchor)
             if may_fold and m - c <= config.fold_tokens:  # cheaper in the extend than in a replay pass
-                fold, m = (anchor, c), c
+                fold, folded_from, m = (anchor, c), m, c
                 clean = not is_tainted(anchor)  # it now reuses the KV above the anchor only (None: the root)
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
         state = state_of(req)
         state.match, state.exact = match, match.exact  # later checkpoints of the request read `exact`
+        state.folded_from = folded_from
         return fold
 
     def replan_after_load(self, req, node_id, m: int) -> None:

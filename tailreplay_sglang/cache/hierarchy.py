@@ -37,6 +37,21 @@ logger = logging.getLogger(__name__)
 HIDDEN_POOL = PoolName.INDEXER
 
 
+def keep_folded_match(original, scheduler, req) -> bool:
+    """Around `Scheduler._prefetch_after_device_hit_loss`: SGLang re-queries storage when a request's match at
+    admission is shorter than the one its storage lookup saw (device KV evicted while it queued). A hit that folds
+    to its anchor (`component.plan_hit`) is shorter by design, and the lookup (`_prefetch_kvcache`, which matches
+    without planning a hit) never sees the fold: every such request was re-queried up to SGLang's cap (8 storage
+    lookups each, measured), and a lookup left behind by a request admitted meanwhile kept `/flush_cache` refused.
+    The folded match counts as the one the lookup saw."""
+    state = peek(req)
+    seen = req.storage_prefetch_last_match_len
+    if state is not None and state.folded_from is not None and seen and state.folded_from >= seen:
+        req.storage_prefetch_last_match_len = req.prefix_len + req.host_hit_length
+        return False
+    return original(scheduler, req)
+
+
 class TailReplayRadixCache(UnifiedRadixCache):
     """Built by `component.create_tail_replay_cache` with the process's runtime."""
 

@@ -57,6 +57,9 @@ class TailReplayReq:
     tokens: int = 0  # tokens replayed
     ms: float = 0.0  # wall time of the replay pass that served it
     state_survival: float | None = None  # zero-init tails only: the bound on the dropped state's share at m
+    # The hit's length before a fold cut it back to its anchor (`component.plan_hit`), which is what SGLang's storage
+    # lookup, matching without the fold, saw (`hierarchy.keep_folded_match`); None when the hit did not fold.
+    folded_from: int | None = None
 
 
 def state_of(req) -> TailReplayReq:

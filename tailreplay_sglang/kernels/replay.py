@@ -52,14 +52,48 @@ def replay_gdn_layer(
     return replay_gdn_layer_torch(*args, state_only=state_only, beta_scale=beta_scale)
 
 
+# The replay kernel walks a tail's chunks one after another, one program per (value block, head, tail); fla's chunk
+# kernel splits a tail into chunk-parallel parts and a light sequential state pass. Measured on
+# an H200 (../shared/notes/gpu-h200-2026-12-04.md, bfloat16, outputs and final states): ours 6.7x faster for one
+# tail of 512 tokens and 1.7x at 2,048; fla 2x faster at 8,192 and 3.7x at 32,768; batches of short tails favour
+# ours (2.7x at 64 x 64, even at 8 x 1,024). A batch whose longest tail is longer than this goes to fla's kernel.
+CHUNK_KERNEL_FROM = 4096
+
+
 def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
                             ssm_states, state_only=False, max_seqlen=None, beta_scale=1.0):
     """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it); each
-    kernel reads the slots' states itself."""
+    kernel reads the slots' states itself. Long tails (`CHUNK_KERNEL_FROM`) take fla's chunk kernel."""
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a device sync: the planner passes it
     y = replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen)
     q, k, v = split_qkv(y, *ssm_states.shape[1:])
-    return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only,
-                          beta_scale=beta_scale)
+    return gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, max_seqlen,
+                      state_only=state_only, beta_scale=beta_scale)
+
+
+def gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, max_seqlen: int, state_only=False,
+               beta_scale=1.0):
+    """A replay's delta rule on the GPU (`gdn_replay_fwd`'s arguments, and the longest tail): this package's kernel,
+    or fla's chunk kernel when the longest tail is longer than `CHUNK_KERNEL_FROM`."""
+    replay = gdn_replay_chunk_kernel if max_seqlen > CHUNK_KERNEL_FROM else gdn_replay_fwd
+    return replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only,
+                  beta_scale=beta_scale)
+
+
+def gdn_replay_chunk_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=False,
+                            beta_scale=1.0):
+    """`gdn_replay_fwd` (same arguments and result) on fla's chunk kernel (fla-core, pinned): the gates computed
+    first in float32, each tail's state gathered from its slot (SGLang's value-major layout, `state_v_first`) and
+    its final state written back there."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias, beta_scale=beta_scale)
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, initial_state=ssm_states[slots].float(),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+                                      cu_seqlens=cu_seqlens.long())
+    ssm_states[slots] = final.to(ssm_states.dtype)
+    return None if state_only else o[0]
 
 
 def replay_gdn_layer_torch(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
