@@ -109,7 +109,7 @@ RUNTIME = (
     Hook(f"{_SRT}.managers.scheduler.Scheduler._prefetch_after_device_hit_loss", "around",
          f"{_PKG}.cache.hierarchy:keep_folded_match",
          "a hit folded to its anchor is shorter than the storage lookup's match by design, not by eviction: no "
-         "storage re-query for it (SGLang re-queried each up to 8 times, and a left-behind lookup refused flushes)"),
+         "storage re-query for it (SGLang re-queried each up to 8 times)"),
     Hook(f"{_CONTROLLER}._sync_trailing_keys", "around", f"{_PKG}.cache.storage_anchors:read_planned_state",
          "just before a prefetch reads its state: SGLang keys it by the hit's last page, the planned state may lie "
          "before it (a hit past the budget replays from the deepest state stored within the budget of its end)"),

@@ -14,7 +14,8 @@
 
 Anchor states go to HiCache's host mamba pool with their nodes (stock's backup of a node's state), and a hit copies
 its anchor from there (`anchor_copy.restore_from_hicache`); from the host pool they go to storage with their nodes'
-pages, and a storage hit past the exact budget reads the deepest one inside it (`storage_anchors.py`).
+pages, and a storage hit past the exact budget reads the deepest one within the budget of its end
+(`storage_anchors.py`).
 """
 
 import json
@@ -42,8 +43,7 @@ def keep_folded_match(original, scheduler, req) -> bool:
     admission is shorter than the one its storage lookup saw (device KV evicted while it queued). A hit that folds
     to its anchor (`component.plan_hit`) is shorter by design, and the lookup (`_prefetch_kvcache`, which matches
     without planning a hit) never sees the fold: every such request was re-queried up to SGLang's cap (8 storage
-    lookups each, measured), and a lookup left behind by a request admitted meanwhile kept `/flush_cache` refused.
-    The folded match counts as the one the lookup saw."""
+    lookups each, measured in bench/router.py's log). The folded match counts as the one the lookup saw."""
     state = peek(req)
     seen = req.storage_prefetch_last_match_len
     if state is not None and state.folded_from is not None and seen and state.folded_from >= seen:
