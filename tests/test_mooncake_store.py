@@ -60,6 +60,13 @@ def servers(tiny_qwen35, tmp_path_factory, master):
         "tr_c": mooncake_spec(tiny_qwen35, master.address, True, *TR)})
 
 
+def flush(srv) -> None:
+    """A flush waits for the server's in-flight writes to the store; one that stalls ("no transfer progress within
+    30s", docs/results.md 2i, seen in stock servers too) fails after Mooncake's own 30 s timeout; a 30 s wait lost
+    that race in a clean-clone CI run (d8f2543, tr_pure's flush)."""
+    flush_cache(srv.base_url, timeout=120.0)
+
+
 def storage_tag(srv) -> str | None:
     return json.loads(server_info(srv.base_url)["hicache_storage_backend_extra_config"]).get("extra_backend_tag")
 
@@ -107,7 +114,7 @@ def test_stock_servers_share_a_prefix_through_the_store(servers, master):
     a, b = servers["stock_a"], servers["stock_b"]
     context = random_ids(CONTEXT, seed=101)
     compute(master, a, context, "stock")
-    flush_cache(b.base_url)
+    flush(b)
     prompt = context + random_ids(QUESTION, seed=102)
     hit = scored(b, prompt, CONTEXT)
     assert_storage_hit(hit, CONTEXT // TRACK * TRACK)
@@ -128,7 +135,7 @@ def test_tail_replay_servers_hit_the_store_off_grid(servers, master):
     for name, context, cut, anchor in (("tr_b", 0, 450, 0), ("tr_c", 0, 333, 0), ("tr_b", 1, 600, 512),
                                        ("tr_c", 1, 650, 640)):
         srv = servers[name]
-        flush_cache(srv.base_url)
+        flush(srv)
         prompt = contexts[context][:cut] + random_ids(QUESTION, seed=112 + cut)
         hit = scored(srv, prompt, cut)
         meta = hit["meta"]
@@ -158,11 +165,11 @@ def test_never_writes_approximate_kv_to_the_store(servers, master, tiny_qwen35, 
         assert miss["meta"]["cached_tokens"] == 0, miss["meta"]["cached_tokens_details"]
         context = random_ids(CONTEXT, seed=121)
         compute(master, srv, context, "tr")
-        flush_cache(srv.base_url)
+        flush(srv)
         prompt = context[:600] + random_ids(QUESTION, seed=122)
         assert_storage_hit(scored(srv, prompt, 600), 600, exact=False)
         compute(master, srv, random_ids(300, seed=123), "tr")  # control
-        flush_cache(srv.base_url)
+        flush(srv)
         again = scored(srv, prompt + random_ids(8, seed=124), 600)
         assert again["meta"]["cached_tokens_details"]["storage"] == 600, again["meta"]["cached_tokens_details"]
     finally:
@@ -199,7 +206,7 @@ def test_servers_leaving_the_cluster_leave_hits_honest(servers, master):
     compute(master, a, context, "tr")
     for name in ("stock_a", "stock_b"):
         servers[name].stop()
-    flush_cache(b.base_url)
+    flush(b)
     prompt = context[:450] + random_ids(QUESTION, seed=162)
     hit = scored(b, prompt, 450)
     assert hit["meta"]["cached_tokens"] < 450  # some of its pages were in the segments that left
@@ -270,7 +277,7 @@ def test_a_full_store_keeps_serving_and_labels_stay_honest(tiny_qwen35, tmp_path
             assert generate(srv, context, 1)["output_ids"]
         time.sleep(1)  # the last writes
         assert small.metric("master_evicted_key_count") > 0
-        flush_cache(srv.base_url)
+        flush(srv)
         prompt = contexts[-1][:450] + random_ids(QUESTION, seed=180)
         hit = scored(srv, prompt, 450)
         if hit["meta"]["tail_replay_exact"]:
