@@ -100,6 +100,10 @@ RUNTIME = (
          "where HiCache's KV host pool gets its share of --hicache-size: the hidden store's host twin, one row per "
          "KV host slot (cache/hierarchy.py), takes its part of that share, as SGLang's own sidecar pools do",
          bound=True),
+    Hook(f"{_SRT}.mem_cache.memory_pool.HybridReqToTokenPool.copy_mamba_state", "around",
+         f"{_PKG}.cache.anchor_copy:copy_without_load_wait",
+         "the batch's copy-on-write from device anchors, which no load-back writes: stock's wait there for the last "
+         "mamba layer's load held the replay until the KV had paged back"),
     Hook(f"{_CONTROLLER}._storage_hit_query", "around", f"{_PKG}.cache.storage_anchors:widen_stop_points",
          "a storage prefetch's hit query (its thread): a fetch that asked for a state past the exact budget takes "
          "every stored page and the deepest state within the budget of their end, or stops within the budget of the "

@@ -49,13 +49,14 @@ class Mutant:
 MUTANTS = (
     Mutant("M1", "the hidden store moves rows one at a time (a source overwritten before it is read)",
            STORE,
-           "            self._write(table, target_slots, self._read(table, source_slots))",
-           "            for t, s in zip(target_slots.tolist(), source_slots.tolist()):\n                self._write("
-           "table, target_slots.new_tensor([t]), self._read(table, source_slots.new_tensor([s])))",
+           "            rows = self._read(table, source_slots)\n",
+           "            for t, s in zip(target_slots.tolist(), source_slots.tolist()):\n"
+           "                table[t] = self._read(table, source_slots.new_tensor([s]))[0]\n"
+           "            rows = self._read(table, source_slots)\n",
            ("tests/test_hidden_tier.py",)),
     Mutant("M1b", "a move carries only the first stored group's rows", STORE,
-           "        for table in (self.token_ids, *self.hiddens):\n            self._write(table, target_slots",
-           "        for table in (self.token_ids, *self.hiddens[:1]):\n            self._write(table, target_slots",
+           "        for table in (self.token_ids, *self.hiddens):\n            rows = self._read(",
+           "        for table in (self.token_ids, *self.hiddens[:1]):\n            rows = self._read(",
            ("tests/test_hidden_tier.py",)),
     Mutant("M2", "a retarget from the root labels tainted KV exact", "tailreplay_sglang/cache/request.py",
            "return Match(prefix, 0, exact=clean, reset=reset)", "return Match(prefix, 0, exact=True, reset=reset)",

@@ -163,6 +163,21 @@ def test_host_tier_read_waits_for_pending_write_backs():
     assert store.pending_write_backs() == 0
 
 
+def test_host_tier_tail_fetch_reads_the_slots_once(monkeypatch):
+    """N7: the host gathers a hit's rows, so the host tier reads the tail's slot ids from the device (a sync on a
+    GPU): once for the token ids and every stored group, not once per table."""
+    store = HiddenStore(LAYOUT, 16, torch.float32, "cpu", "host")
+    store.write_back = _ScriptedWriteBack()
+    store.write_hidden(8, torch.tensor([2]), torch.full((1, 16), 3.0))
+    slots, moved = torch.tensor([2, 5]), []
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (moved.append(a), original(self, *a, **k))[1])
+    loads = store.fetch_tail(slots, HostToDevice("cpu"))
+    monkeypatch.undo()
+    assert len(moved) == 1 and store.pending_write_backs() == 0
+    assert set(loads) == {TOKENS, 4, 8} and loads[8][0].eq(3.0).all()
+
+
 def test_host_tier_move_stays_on_the_host_after_draining(tmp_path):
     """N3 (GPU path review): a move on the host tier reads rows into host memory; handing them to the write-back,
     whose copies start from the device, made it call `record_stream` on a host tensor (NotImplementedError on any
@@ -295,6 +310,44 @@ def test_hicache_host_pool_round_trips_rows_through_host_and_l3_pages(dtype):
         other.set_from_flat_data_page(start - 16, landing)  # a different host slot on the other server
     assert torch.equal(other.hiddens[:, :12].view(torch.uint8), pool.hiddens[:, 16:28].view(torch.uint8))
     assert torch.equal(other.token_ids[:12], pool.token_ids[16:28]) and other.token_ids[:12].any()
+
+
+def _indexed_copy_contract(src, dst, src_indices, dst_indices, item_size):
+    """sgl-kernel's `transfer_kv_per_layer_mla` by its contract (what SGLang's mamba host pool relies on): item i of
+    a table is the `item_size` bytes at its base + i * item_size, so each table's items must be contiguous and of
+    that size; indices are int64 on the device (the controller's `move_indices` for `kernel`)."""
+    for table in (src, dst):
+        assert table.stride(0) * table.element_size() == item_size == table[0].numel() * table.element_size()
+    assert src_indices.dtype == dst_indices.dtype == torch.int64
+    assert src_indices.device.type == dst_indices.device.type == DEVICE
+    as_items = lambda t: t.view(torch.uint8).view(t.shape[0], item_size)  # noqa: E731
+    as_items(dst)[dst_indices] = as_items(src)[src_indices]
+
+
+def test_hicache_host_pool_kernel_backend_moves_rows_without_reading_on_the_host(monkeypatch):
+    """N6 (GPU path review): with SGLang's default io backend the controller hands the host twin its indices on the
+    device, and the copies run on a transfer stream fenced behind the forward; a `.cpu()` of the indices, or a
+    gather into pageable memory and a blocking `.to()`, made the scheduler thread wait for that forward at every
+    backup and load-back. The twin uses SGLang's indexed copy there (stood in for by its contract): rows round-trip
+    and nothing is read on, or copied to, the host outside the kernel."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    store = HiddenStore(LAYOUT, 64, torch.bfloat16, DEVICE)
+    _fill(store, seed=7)
+    pool = HiddenHostPool(store, size=32, page_size=1, kernel_copy=_indexed_copy_contract)
+    dev, host, fresh = (torch.arange(a, a + 12, device=DEVICE) for a in (8, 16, 40))
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__", "cpu", "to", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    pool.backup_from_device_all_layer_physical(store, host, dev, "kernel")
+    pool.load_to_device_per_layer_physical(store, host, fresh, 0, "kernel")
+    monkeypatch.undo()
+    assert reads == []
+    for layer in (4, 8):
+        assert torch.equal(store.read_hidden(layer, fresh), store.read_hidden(layer, dev))
+    assert torch.equal(store.read_tokens(fresh), store.read_tokens(dev)) and store.read_tokens(dev).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -118,6 +118,71 @@ def test_committing_or_dropping_planned_anchors_reads_nothing_from_the_device(mo
         assert reads == [] and len(freed) == 2 and anchors.written == {"conv": set(), "ssm": set()}
 
 
+def test_planning_a_batchs_interval_anchors_reads_the_device_once(monkeypatch):
+    """GPU path review N7: the plan reads the physical slot ids of every request's own slot and its anchors in one
+    read for the batch (a sync on a GPU, where SGLang's mamba allocator hands out device tensors), not one per
+    request; each request still gets its own anchors, at its offsets, in the slots it was given."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+    from tailreplay_sglang.cache.request import state_of
+
+    allocator = MambaSlotAllocator(16, "cpu")
+    pool = SimpleNamespace(mamba_allocator=allocator, translate_mamba_indices=lambda t: t + 100)
+    tree = SimpleNamespace(mamba_evictable_size=lambda: 0)
+    reqs = []
+    for extend in (150, 200, 30):  # 2, 3 and no anchors at interval 64
+        req = SimpleNamespace(extend_len=extend, prefix_len=10, kv=SimpleNamespace(
+            mamba_pool_idx=allocator.alloc(1)[0], holds_mamba=True, req_pool_idx=None, cache_protected_len=0))
+        state_of(req).exact = True
+        reqs.append(req)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (reads.append(1), original(self))[1])
+    anchors = IntervalAnchors(64)
+    anchors.plan(reqs, pool, tree, replayed_hits=[])
+    monkeypatch.undo()
+    assert reads == [1]
+    for req, offsets in zip(reqs, ([64, 128], [64, 128, 192], [])):
+        planned = state_of(req).interval_anchors or []
+        assert [depth for depth, _, _ in planned] == [10 + off for off in offsets]
+        assert all(phys == int(slot) + 100 for _, slot, phys in planned)
+        if offsets:
+            assert anchors.by_slot[int(req.kv.mamba_pool_idx) + 100] == [(off, p) for off, (_, _, p) in
+                                                                        zip(offsets, planned)]
+
+
+def test_host_anchor_saves_and_restores_read_nothing_from_the_device(monkeypatch):
+    """GPU path review N7: a host anchor's device slot stays a device index through its save (on eviction, while
+    scheduling) and its restore (in the hit's forward): an `int()` of it waited for every forward queued before. The
+    state still round-trips: saved from one slot, restored into another, every layer of every state tensor."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.cache.anchor_copy import StagedAnchors
+    from tailreplay_sglang.cache.host_anchors import HostAnchors
+
+    layers, slots = 3, 6
+    cache = SimpleNamespace(conv=[torch.randn(layers, slots, 4, 2)], temporal=torch.randn(layers, slots, 2, 2, 2))
+    pool = SimpleNamespace(mamba_cache=cache)
+    host = HostAnchors(pool, capacity=2)
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    node = object()
+    assert host.save(node, pool, torch.tensor([2], dtype=torch.int32))  # mamba slot ids are int32 in SGLang
+    staged = StagedAnchors()  # the forward's restore of a hit admitted with this anchor, into its slot 5
+    req = SimpleNamespace(kv=SimpleNamespace(mamba_pool_idx=torch.tensor(5, dtype=torch.int32)))
+    staged._restores.append(SimpleNamespace(req=req, node=node, hicache=None, unhold_host=lambda h: None))
+    staged.restore_host(host, SimpleNamespace(mamba_pool=pool, translate_mamba_indices=lambda t: t))
+    monkeypatch.undo()
+    assert reads == []
+    for t in (*cache.conv, cache.temporal):
+        assert torch.equal(t[:, 5], t[:, 2])
+
+
 def test_interval_anchor_hooks_only_with_interval_anchors():
     """No interval anchors with the paper's budget 0 or interval 0; with them on every device (the prefill's
     per-chunk states exist on every device)."""

@@ -55,3 +55,35 @@ def test_an_anchor_backed_up_to_hicache_has_its_index_copied_on_the_forward_stre
     TailReplayMambaComponent._backup_state_to_hicache(self, SimpleNamespace(component_data={"mamba": data}))
     assert rec.calls == [("move_indices", True), ("backup kernel", True)]
     assert data.host_value.tolist() == [3] and written == [None]
+
+
+def test_the_anchor_copy_on_write_does_not_wait_for_the_batchs_load_back():
+    """N5: stock's copy-on-write waits for the last mamba layer of the batch's HiCache load-back (a stock source can
+    be a state loading back), which held an anchored hit's replay until nearly all its KV had paged back. Our
+    sources are device anchors that no load-back writes, so the copy runs at once; with no load-back in flight it is
+    stock's. Stock's own function, on the same pool, waits: the test tells the two apart."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from tailreplay_sglang.cache.anchor_copy import copy_without_load_wait
+
+    copied, waits = [], []
+    counter = SimpleNamespace(consumer_index=0, wait_until=waits.append)
+    pool = SimpleNamespace(layer_transfer_counter=counter, mamba_map={0: 0, 3: 1}, start_layer=0,
+                           mamba_pool=SimpleNamespace(copy_from=lambda src, dst: copied.append((src, dst))))
+    src, dst = torch.tensor([4]), torch.tensor([9])
+    HybridReqToTokenPool.copy_mamba_state(pool, src, dst)
+    assert waits == [3] and len(copied) == 1  # stock: the last mamba layer's load first
+    copy_without_load_wait(HybridReqToTokenPool.copy_mamba_state, pool, src, dst)
+    assert waits == [3] and copied[-1] == (src, dst)
+    pool.layer_transfer_counter = None  # no HiCache
+    copy_without_load_wait(HybridReqToTokenPool.copy_mamba_state, pool, src, dst)
+    assert len(copied) == 3
+
+
+def test_no_load_back_writes_a_mamba_state():
+    """What N5's skipped wait rests on: the MAMBA component builds no load-back transfer, so HiCache's H2D stream
+    never writes a mamba slot (a hit restores its host anchor itself, in the forward: `anchor_copy.restore_host`)."""
+    from sglang.srt.mem_cache.unified_cache.components import CacheTransferPhase
+
+    self = SimpleNamespace(component_type="mamba")
+    assert TailReplayMambaComponent.build_hicache_transfers(self, None, CacheTransferPhase.LOAD_BACK) is None

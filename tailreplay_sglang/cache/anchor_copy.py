@@ -88,15 +88,27 @@ class StagedAnchors:
         """In the forward of the batch they were admitted to: each host anchor into its request's slot."""
         for held in self._restores:
             slot = req_to_token_pool.translate_mamba_indices(held.req.kv.mamba_pool_idx.view(1))  # on the device
-            if held.hicache is not None:  # the controller's copies take device indices: nothing read
+            if held.hicache is not None:  # both copies take the slot as a device index: nothing read on the host
                 restore_from_hicache(held.hicache, held.node, slot)
-            else:  # the host-anchor pool copies by slot number: one read
-                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, int(slot[0]))
+            else:
+                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)
             held.unhold_host(host_anchors)
         self._restores.clear()
 
     def __len__(self) -> int:
         return len(self._held) + len(self._restores)
+
+
+def copy_without_load_wait(original, pool, src_index, dst_index) -> None:
+    """Around `HybridReqToTokenPool.copy_mamba_state`, the batch's deferred copy-on-write (run before the replay, on
+    the forward's stream). Under HiCache stock first waits for the last mamba layer of the batch's load-back: a stock
+    hit's source can be a state loading back in this batch. Ours are device anchors, which no load-back writes (the
+    MAMBA component builds no LOAD_BACK transfer: a host anchor is restored by `restore_host`, in the forward), so the
+    wait only held an anchored hit's replay until nearly all its KV had paged back (GPU path review N5); without it
+    the replay waits for the first layer's load only (`replay.wait_for_loaded_rows`) and overlaps the rest."""
+    if src_index.numel() == 0 or pool.layer_transfer_counter is None:
+        return original(pool, src_index, dst_index)
+    pool.mamba_pool.copy_from(src_index, dst_index)
 
 
 def unstage(cache, req) -> None:

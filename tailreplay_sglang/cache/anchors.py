@@ -144,17 +144,18 @@ class IntervalAnchors:
         short = sum(len(cuts) for _, cuts in wanted) - pool.mamba_allocator.available_size()
         if short > 0 and wanted:
             tree_cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=short))
-        for req, cuts in wanted:
-            prefix = req.prefix_len
-            slots = pool.mamba_allocator.alloc(len(cuts))
-            if slots is None:
-                continue
-            # physical slot ids of the request's own slot and its anchors' in one read (a host sync on a GPU), kept
-            # with each anchor so that its commit or drop reads nothing more
-            source, *physical = pool.translate_mamba_indices(torch.cat([req.kv.mamba_pool_idx.view(1), slots])).tolist()
-            state_of(req).interval_anchors = [(prefix + off, slot.view(1), phys)
-                                              for off, slot, phys in zip(cuts, slots, physical)]
-            by_slot[source] = list(zip(cuts, physical))
+        taken = [(req, cuts, slots) for req, cuts in wanted
+                 if (slots := pool.mamba_allocator.alloc(len(cuts))) is not None]
+        if taken:
+            # physical slot ids of every request's own slot and its anchors' in one read (a host sync on a GPU),
+            # kept with each anchor so that its commit or drop reads nothing more
+            ids = torch.cat([torch.cat([req.kv.mamba_pool_idx.view(1), slots]) for req, _, slots in taken])
+            physical = iter(pool.translate_mamba_indices(ids).tolist())
+            for req, cuts, slots in taken:
+                source, anchors = next(physical), [next(physical) for _ in cuts]
+                state_of(req).interval_anchors = [(req.prefix_len + off, slot.view(1), phys)
+                                                  for off, slot, phys in zip(cuts, slots, anchors)]
+                by_slot[source] = list(zip(cuts, anchors))
         self.use_plan(by_slot)
 
     def commit(self, cache, req) -> None:

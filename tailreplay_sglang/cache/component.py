@@ -383,8 +383,9 @@ class TailReplayMambaComponent(TaintedKVComponent):
             return
         host.follow_tree(self.tree_core.root_node)
         pool = self.cache.req_to_token_pool
-        slot = int(pool.translate_mamba_indices(node.component_data[self.component_type].value.view(-1))[0])
+        # the slot stays a device index, translated on the stream of the copy that reads it (as in N1)
         with on_forward_stream(self.runtime.forward_stream):
+            slot = pool.translate_mamba_indices(node.component_data[self.component_type].value.view(-1)[:1])
             host.save(node, pool.mamba_pool, slot)
 
 

@@ -66,9 +66,10 @@ class HostAnchors:
             self._free.extend(self._slots.values())
             self._slots.clear()
 
-    def save(self, node, mamba_pool, device_slot: int) -> bool:
-        """Copy the state in physical device slot `device_slot` to the host as `node`'s, dropping the least recently
-        used host state if the pool is full. False if every host state is kept (nothing saved)."""
+    def save(self, node, mamba_pool, device_slot: torch.Tensor) -> bool:
+        """Copy the state in physical device slot `device_slot` (a one-element index tensor on the device: the slot
+        is never read on the host, which would wait for the forwards queued before it) to the host as `node`'s,
+        dropping the least recently used host state if the pool is full. False if every host state is kept."""
         if node in self._slots:  # the same path's state, saved before: still exact
             self._slots.move_to_end(node)
             return True
@@ -80,8 +81,9 @@ class HostAnchors:
         self.saved += 1
         return True
 
-    def restore(self, node, mamba_pool, device_slot: int) -> None:
-        """Copy `node`'s host state into physical device slot `device_slot`. The host copy stays, as the anchor."""
+    def restore(self, node, mamba_pool, device_slot: torch.Tensor) -> None:
+        """Copy `node`'s host state into physical device slot `device_slot` (as in `save`). The host copy stays, as
+        the anchor."""
         slot = self._slots[node]
         self._slots.move_to_end(node)
         self._copy(mamba_pool, device_slot, slot, to_host=False)
@@ -115,12 +117,13 @@ class HostAnchors:
         self.dropped += 1
         return True
 
-    def _copy(self, mamba_pool, device_slot: int, host_slot: int, to_host: bool) -> None:
+    def _copy(self, mamba_pool, device_slot: torch.Tensor, host_slot: int, to_host: bool) -> None:
         start = time.perf_counter()
-        cache = mamba_pool.mamba_cache
+        cache, index = mamba_pool.mamba_cache, device_slot.long().view(1)
         for device, host in zip((*cache.conv, cache.temporal), (*self.conv, self.temporal)):
+            # a gather and a scatter on the device by index, each beside one asynchronous copy of pinned memory
             if to_host:
-                host[host_slot].copy_(device[:, device_slot], non_blocking=True)
+                host[host_slot].copy_(device.index_select(1, index).squeeze(1), non_blocking=True)
             else:
-                device[:, device_slot].copy_(host[host_slot], non_blocking=True)
+                device.index_copy_(1, index, host[host_slot].unsqueeze(1).to(device.device, non_blocking=True))
         self.copy_seconds += time.perf_counter() - start

@@ -9,6 +9,12 @@ like the store, with the token ids beside it. The methods are the ones SGLang's 
 (`HostKVCache`'s names and arguments); `device_pool` is the `HiddenStore`. L3 pages (`get_data_page` /
 `set_from_flat_data_page`) are the bytes of `page_size` consecutive host slots: every group's rows, then the token
 ids.
+
+Device <-> host copies run on the transfer stream SGLang's controller puts them on. With its default io backend
+(`kernel`, CUDA) they are SGLang's own indexed copy (`transfer_kv_per_layer_mla`, what its mamba host pool uses for a
+single pool): a kernel that reads and writes the pinned host rows in place, indices on the device, so nothing waits
+on the host for the forward the transfer stream is fenced behind (GPU path review N6). Elsewhere (`direct`, the CPU
+route, the host tier) they are torch indexing, synchronous where host is the device.
 """
 
 import torch
@@ -21,8 +27,12 @@ class HiddenHostPool:
     shared_allocation_domain = None
     layer_num = 1  # one transfer per load-back, before the forward's first layer
 
-    def __init__(self, store: HiddenStore, size: int, page_size: int, pin_memory: bool = False):
+    def __init__(self, store: HiddenStore, size: int, page_size: int, pin_memory: bool = False, kernel_copy=None):
         self.store, self.size, self.page_size = store, size, page_size
+        # the kernel addresses host rows through their device mapping: only pinned rows of a device-tier store
+        if kernel_copy is None and pin_memory and store.hiddens.is_cuda:
+            kernel_copy = sglang_indexed_copy()
+        self.kernel_copy = kernel_copy
         groups, row = store.hiddens.shape[0], store.hiddens.shape[-1]
         self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
         self.token_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory)
@@ -42,22 +52,33 @@ class HiddenHostPool:
         return self.size
 
     def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
-        return host_indices.long().cpu(), device_indices.long().to(self.store.hiddens.device)
+        """The indices where the controller put them for its io backend (`kernel`: both on the device): moving one
+        to the host here would wait for the forward the transfer stream is fenced behind."""
+        return host_indices.long(), device_indices.long()
 
     # ---- L2: device <-> host, with the KV ----
 
     def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
         device_pool.drain()  # on the host tier the last forwards' rows may still be on their way into the store
         host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
-        self.hiddens[:, host] = device_pool.hiddens[:, dev].to(self.hiddens.device)
-        self.token_ids[host] = device_pool.token_ids[dev].to(self.token_ids.device)
+        self._copy_rows(device_pool, self, dev, host, io_backend)
 
     def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                           *, is_draft: bool = False) -> None:
         device_pool.drain()  # an older write-back applied after the load would overwrite the loaded rows
         host, dev = self.prepare_transfer_indices(host_indices, device_indices, io_backend)
-        device_pool.hiddens[:, dev] = self.hiddens[:, host].to(device_pool.hiddens.device)
-        device_pool.token_ids[dev] = self.token_ids[host].to(device_pool.token_ids.device)
+        self._copy_rows(self, device_pool, host, dev, io_backend)
+
+    def _copy_rows(self, src, dst, src_indices, dst_indices, io_backend) -> None:
+        """`dst`'s rows and token ids at `dst_indices` = `src`'s at `src_indices` (the store or this pool each)."""
+        tables = [*zip(src.hiddens, dst.hiddens), (src.token_ids, dst.token_ids)]  # one [slots, row] table a group
+        if io_backend == "kernel" and self.kernel_copy is not None:
+            for s, d in tables:
+                self.kernel_copy(src=s, dst=d, src_indices=src_indices, dst_indices=dst_indices,
+                                 item_size=s[0].numel() * s.element_size())
+            return
+        for s, d in tables:
+            d[dst_indices.to(d.device)] = s[src_indices.to(s.device)].to(d.device)
 
     # ---- L3: a page of host slots as bytes ----
 
@@ -103,3 +124,11 @@ class HiddenHostPool:
 
     def destroy(self) -> None:
         pass
+
+
+def sglang_indexed_copy():
+    """SGLang's single-pool indexed copy between device and pinned host memory, as its mamba host pool binds it
+    (sgl-kernel's, on CUDA and ROCm); None where SGLang has none (the CPU engine, whose io backend is `direct`)."""
+    from sglang.srt.mem_cache.pool_host import mamba
+
+    return getattr(mamba, "transfer_kv_per_layer_mla", None)

@@ -116,20 +116,32 @@ class HiddenStore:
     def _read(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.write_back is None:
             return source[slots]
-        self.write_back.drain()  # earlier forwards' entries must have landed
-        idx = slots.to(source.device, torch.int64)
-        out = torch.empty((idx.numel(), *source.shape[1:]), dtype=source.dtype, pin_memory=source.is_pinned())
-        return torch.index_select(source, 0, idx, out=out)  # gathered straight into pinned memory: H2D-ready
+        return _gather(source, self._host_slots(slots))
+
+    def _host_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Host tier: the slot ids on the host, once every earlier forward's entries have landed. Both wait for the
+        device (the host gathers the rows): what the host tier pays per read for holding no device memory."""
+        self.write_back.drain()
+        return slots.to("cpu", torch.int64)
 
     def fetch_tail(self, slots: torch.Tensor, h2d: HostToDevice) -> dict:
         """Launch the loads of every replay input of a tail (token ids, then each stored group in order) and
-        return them by key (`TOKENS` or a group's first layer); read one after `h2d.wait(key)`."""
-        loads = {TOKENS: self.read_tokens(slots)}
-        loads.update({layer: self.read_hidden(layer, slots) for layer in self._row})
-        return {key: h2d.copy(key, pin(t)) for key, t in loads.items()}
+        return them by key (`TOKENS` or a group's first layer); read one after `h2d.wait(key)`. The host tier
+        reads the slots once for all of them (GPU path review N7)."""
+        tables = {TOKENS: self.token_ids, **{layer: self.hiddens[row] for layer, row in self._row.items()}}
+        if self.write_back is None:
+            return {key: h2d.copy(key, table[slots]) for key, table in tables.items()}
+        idx = self._host_slots(slots)
+        return {key: h2d.copy(key, pin(_gather(table, idx))) for key, table in tables.items()}
 
     def pending_write_backs(self) -> int:
         if self.write_back is None:
             return 0
         self.write_back.poll()
         return len(self.write_back)
+
+
+def _gather(source: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` of a host table, gathered straight into pinned memory where it is pinned: H2D-ready."""
+    out = torch.empty((idx.numel(), *source.shape[1:]), dtype=source.dtype, pin_memory=source.is_pinned())
+    return torch.index_select(source, 0, idx, out=out)
