@@ -414,9 +414,6 @@ def main(argv=None) -> int:
     print(format_check(checked), flush=True)
 
     rows = []
-    for m in [] if args.check_only else args.lengths:
-        rows.append(measure_row(model, layout, m, args.ratios, args, device))
-        print(f"  {m:,} tokens done at {time.perf_counter() - started:.0f} s", flush=True)
     result = {
         "device": device_name(device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": {"name": "Qwen3.5-4B-shaped" if args.preset is QWEN35_4B else "tiny Qwen3.5", "parameters": params,
@@ -424,13 +421,22 @@ def main(argv=None) -> int:
         "dtype": args.dtype, "suffix": args.suffix, "reps": args.reps, "warmup": args.warmup,
         "check": checked, "rows": rows, "seconds": time.perf_counter() - started,
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for m in [] if args.check_only else args.lengths:
+        rows.append(measure_row(model, layout, m, args.ratios, args, device))
+        print(f"  {m:,} tokens done at {time.perf_counter() - started:.0f} s", flush=True)
+        _write(args.out, result, started)  # row by row: a run cut short by a time limit keeps what it measured
     if rows:
         print(format_table(result))
+    _write(args.out, result, started)
     print(f"total {result['seconds']:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0 if checked["passed"] else 1
+
+
+def _write(out: Path, result: dict, started: float) -> None:
+    result["seconds"] = time.perf_counter() - started
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def _has_fla() -> bool:

@@ -1,0 +1,46 @@
+"""The host anchors' copies (`cache/host_anchors.py`) on the device the tests run on, no SGLang needed: on CUDA
+(scripts/gpu_check.sh runs this file natively) a save is a gather by device index and an asynchronous copy into
+pinned memory, a restore an asynchronous copy out of it and a scatter by index, all on one stream; on a CPU the same
+code runs synchronously. Every state must come back whole, although the device slot it was saved from is
+overwritten right after its save and host slots are reused."""
+
+from types import SimpleNamespace
+
+import torch
+
+from tailreplay_sglang.cache.host_anchors import HostAnchors
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pool(layers: int = 4, slots: int = 10):
+    g = torch.Generator().manual_seed(0)
+    conv = [torch.randn(layers, slots, 8, 3, generator=g).to(DEVICE), torch.randn(layers, slots, 5, generator=g)
+            .to(DEVICE, torch.bfloat16)]
+    return SimpleNamespace(mamba_cache=SimpleNamespace(conv=conv, temporal=torch.randn(
+        layers, slots, 2, 4, 4, generator=g).to(DEVICE)))
+
+
+def _states(pool, slot: int) -> list[torch.Tensor]:
+    cache = pool.mamba_cache
+    return [t[:, slot].clone() for t in (*cache.conv, cache.temporal)]
+
+
+def test_saved_states_come_back_whole_through_reused_host_slots():
+    pool = _pool()
+    host = HostAnchors(pool, capacity=2)
+    assert host.temporal.is_pinned() == (DEVICE == "cuda")
+    nodes, saved = [object() for _ in range(5)], {}
+    for i, node in enumerate(nodes):
+        assert host.save(node, pool, torch.tensor([i], device=DEVICE, dtype=torch.int32))  # SGLang's slot ids
+        saved[node] = _states(pool, i)
+        for t in (*pool.mamba_cache.conv, pool.mamba_cache.temporal):
+            t[:, i] = 0  # the device slot is reused right after its save
+    kept = nodes[-2:]  # the pool's LRU dropped the first three, their host slots reused
+    assert [node in host for node in nodes] == [False, False, False, True, True] and host.dropped == 3
+    for j, node in enumerate(kept):
+        host.restore(node, pool, torch.tensor([7 + j], device=DEVICE))
+    for j, node in enumerate(kept):
+        for got, want in zip(_states(pool, 7 + j), saved[node]):
+            assert torch.equal(got, want)
+    assert _states(pool, 9)[0].ne(0).any()  # a slot no restore names is left alone
