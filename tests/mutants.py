@@ -30,6 +30,9 @@ PROPERTIES = "tests/test_cache_properties.py"
 COPY = "tailreplay_sglang/cache/anchor_copy.py"
 STORE = "tailreplay_sglang/store/hidden_store.py"
 HICACHE_HOST_HITS = "tests/test_hicache_tail_replay.py::test_host_hits_are_exact_at_any_token_boundary"
+# Storage hits past the exact budget, replayed from a state another server stored (file, then Mooncake)
+STORED_ANCHOR_HITS = ("tests/test_hicache_tail_replay.py::test_second_server_hits_the_file_tier_off_grid",
+                      "tests/test_mooncake_store.py::test_tail_replay_servers_hit_the_store_off_grid")
 # The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
@@ -127,6 +130,30 @@ MUTANTS = (
     Mutant("N3", "a host-tier move hands host rows to the write-back (N3: record_stream on a host tensor)",
            STORE, "                table.index_copy_(0, target_slots.to(table.device, torch.int64), rows)",
            "                self._write(table, target_slots, rows)", ("tests/test_hidden_tier.py",)),
+    Mutant("N5", "the anchors' copy-on-write waits for the batch's whole load-back (GPU path review N5)",
+           COPY, "    if src_index.numel() == 0 or pool.layer_transfer_counter is None:",
+           "    if True:", ("tests/test_stream_order.py",)),
+    Mutant("N6", "the hidden rows' host twin reads its indices on the host on the kernel io backend (N6)",
+           "tailreplay_sglang/store/hicache_pool.py",
+           "        if io_backend == \"kernel\" and self.kernel_copy is not None:",
+           "        if False:", ("tests/test_hidden_tier.py",)),
+    Mutant("commit", "a state read from storage is committed at the hit's last node, not at its own depth",
+           "tailreplay_sglang/cache/component.py",
+           "        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)",
+           "        pointed = inserted", STORED_ANCHOR_HITS, server=True),
+    Mutant("state-key", "a planned state is read under the hit's last page's key (SGLang's), not its own",
+           "tailreplay_sglang/cache/storage_anchors.py",
+           "            transfer.keys = [plan.hash_values[plan.state - 1]]", "            pass",
+           STORED_ANCHOR_HITS, server=True),
+    Mutant("taint-store", "tainted (approximate) KV is written to storage, where its taint cannot follow",
+           "tailreplay_sglang/cache/hierarchy.py", "        if is_tainted(self.tree_core.node_by_id(node_id)):",
+           "        if False:", ("tests/test_hicache_tail_replay.py::test_never_writes_approximate_kv_to_storage",),
+           server=True),
+    Mutant("state-tag", "Mooncake pages carry no state-layout tag (another layout's states read as this one's)",
+           "tailreplay_sglang/cache/hierarchy.py",
+           "        if memory.hicache_storage_backend != \"mooncake\" or self.runtime.store is None:",
+           "        if True:",
+           ("tests/test_mooncake_store.py::test_pages_another_configuration_wrote_are_never_read",), server=True),
     Mutant("backup", "an anchor leaving the device under HiCache is never copied to its host pool by the plugin",
            "tailreplay_sglang/cache/component.py", "                self._backup_state_to_hicache(node)",
            "                pass", (HICACHE_HOST_HITS,),
