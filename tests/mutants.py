@@ -5,7 +5,8 @@ catch it run against the copy; every mutant must be killed (a test fails).
 
 Not part of `make test` (minutes of pytest runs). The mutants are single-line changes to decisions that make a hit
 exact or keep the pools whole: the 13 of ../shared/notes/tests-audit-2026-12-04.md (M1-M10) and one per further
-decision (taint, relay, hold; the HiCache anchor backup, whose test starts servers). Mutants of the cache component
+decision (taint, relay, hold; the HiCache anchor backup and the storage anchors, whose tests start servers; the GPU
+path review's N1-N6, whose contract tests stand in for a GPU). Mutants of the cache component
 that its property tests already apply by monkeypatch (`tests/test_cache_properties.py`, BROKEN: taint on insert and
 split, budget, fold, copy, hold, keep-ends, host restore) run there, in `make test`. Each copy is the repository's
 `tailreplay_sglang/` and `tests/`, imported first through PYTHONPATH, so the installed editable package is not touched.
@@ -153,7 +154,7 @@ MUTANTS = (
            "tailreplay_sglang/cache/hierarchy.py",
            "        if memory.hicache_storage_backend != \"mooncake\" or self.runtime.store is None:",
            "        if True:",
-           ("tests/test_mooncake_store.py::test_pages_another_configuration_wrote_are_never_read",), server=True),
+           ("tests/test_mooncake_store.py::test_never_writes_approximate_kv_to_the_store",), server=True),
     Mutant("backup", "an anchor leaving the device under HiCache is never copied to its host pool by the plugin",
            "tailreplay_sglang/cache/component.py", "                self._backup_state_to_hicache(node)",
            "                pass", (HICACHE_HOST_HITS,),
