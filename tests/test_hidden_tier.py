@@ -319,6 +319,7 @@ def _indexed_copy_contract(src, dst, src_indices, dst_indices, item_size):
     that size; indices are int64 on the device (the controller's `move_indices` for `kernel`)."""
     for table in (src, dst):
         assert table.stride(0) * table.element_size() == item_size == table[0].numel() * table.element_size()
+    assert item_size % 8 == 0  # it moves 8-byte words: the rest of a row would be dropped
     assert src_indices.dtype == dst_indices.dtype == torch.int64
     assert src_indices.device.type == dst_indices.device.type == DEVICE
     as_items = lambda t: t.view(torch.uint8).view(t.shape[0], item_size)  # noqa: E731
@@ -350,6 +351,24 @@ def test_hicache_host_pool_kernel_backend_moves_rows_without_reading_on_the_host
     for layer in (4, 8):
         assert torch.equal(store.read_hidden(layer, fresh), store.read_hidden(layer, dev))
     assert torch.equal(store.read_tokens(fresh), store.read_tokens(dev)) and store.read_tokens(dev).any()
+
+
+def test_hicache_host_pool_rows_the_kernel_cannot_move_go_through_torch():
+    """float8 rows carry a 4-byte scale (2 x 16 + 4 = 36 bytes here): not a whole number of the kernel's 8-byte
+    words, so the twin copies them with torch even on the kernel backend, and they still round-trip."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    store = HiddenStore(LAYOUT, 64, torch.float8_e4m3fn, DEVICE)
+    _fill(store, seed=9)
+    called = []
+    pool = HiddenHostPool(store, size=32, page_size=1, kernel_copy=lambda **kw: called.append(kw))
+    dev, host, fresh = (torch.arange(a, a + 12, device=DEVICE) for a in (8, 16, 40))
+    pool.backup_from_device_all_layer_physical(store, host, dev, "kernel")
+    pool.load_to_device_per_layer_physical(store, host, fresh, 0, "kernel")
+    assert called == []
+    for layer in (4, 8):
+        assert torch.equal(store.read_hidden(layer, fresh).view(torch.uint8), store.read_hidden(layer, dev)
+                           .view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

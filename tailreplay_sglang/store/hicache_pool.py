@@ -21,6 +21,8 @@ import torch
 
 from tailreplay_sglang.store.hidden_store import TOKEN_ID_BYTES, HiddenStore
 
+KERNEL_WORD = 8  # bytes sgl-kernel's transfer kernels move at a time (int64 words)
+
 
 class HiddenHostPool:
     can_use_write_back_jit = False  # SGLang's JIT write-back kernels know KV layouts only
@@ -72,13 +74,18 @@ class HiddenHostPool:
     def _copy_rows(self, src, dst, src_indices, dst_indices, io_backend) -> None:
         """`dst`'s rows and token ids at `dst_indices` = `src`'s at `src_indices` (the store or this pool each)."""
         tables = [*zip(src.hiddens, dst.hiddens), (src.token_ids, dst.token_ids)]  # one [slots, row] table a group
-        if io_backend == "kernel" and self.kernel_copy is not None:
+        if io_backend == "kernel" and self.kernel_copy is not None and self._rows_fit_the_kernel():
             for s, d in tables:
                 self.kernel_copy(src=s, dst=d, src_indices=src_indices, dst_indices=dst_indices,
-                                 item_size=s[0].numel() * s.element_size())
+                                 item_size=_row_bytes(s))
             return
         for s, d in tables:
             d[dst_indices.to(d.device)] = s[src_indices.to(s.device)].to(d.device)
+
+    def _rows_fit_the_kernel(self) -> bool:
+        """The kernel moves a row as 8-byte words: a row of another size (float8 rows carry a 4-byte scale) would
+        lose its tail and misalign the next, so such rows go through torch."""
+        return _row_bytes(self.hiddens[0]) % KERNEL_WORD == 0
 
     # ---- L3: a page of host slots as bytes ----
 
@@ -124,6 +131,10 @@ class HiddenHostPool:
 
     def destroy(self) -> None:
         pass
+
+
+def _row_bytes(table: torch.Tensor) -> int:
+    return table[0].numel() * table.element_size()
 
 
 def sglang_indexed_copy():
