@@ -75,8 +75,10 @@ def _bench(out: Path, command: list[str], timeout: int) -> dict:
         done = subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
         status, tail = ("passed" if done.returncode == 0 else "failed"), done.stdout[-3000:] + done.stderr[-2000:]
-    except subprocess.TimeoutExpired as e:
-        status, tail = f"timed out after {timeout} s", (e.stdout or b"")[-3000:].decode(errors="replace")
+    except subprocess.TimeoutExpired as e:  # its output comes back as bytes, text=True or not
+        output = e.stdout or b""
+        status, tail = f"timed out after {timeout} s", (output.decode(errors="replace") if isinstance(
+            output, bytes) else output)[-3000:]
     result = json.loads(out.read_text()) if out.exists() else None
     return {"status": status, "result": result, "tail": tail}
 

@@ -414,3 +414,17 @@ def wait_for_pages(folder: Path, before: int, pages: int, timeout: float = 60.0)
     while len(list(folder.iterdir())) < before + pages:
         assert time.monotonic() < deadline, f"{len(list(folder.iterdir())) - before} of {pages} pages written"
         time.sleep(0.1)
+
+
+HOST_READS = ("tolist", "item", "__int__", "__index__")  # a tensor's values read on the host: a sync on a GPU
+
+
+def count_tensor_calls(monkeypatch, names=HOST_READS) -> list[str]:
+    """Record the name of every call of these `torch.Tensor` methods until `monkeypatch` is undone: the GPU path's
+    contract tests count host reads (and copies) on the CPU route, where they cost nothing but still happen."""
+    calls = []
+    for name in names:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    return calls

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import HOST_READS, count_tensor_calls
 from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
@@ -169,9 +170,8 @@ def test_host_tier_tail_fetch_reads_the_slots_once(monkeypatch):
     store = HiddenStore(LAYOUT, 16, torch.float32, "cpu", "host")
     store.write_back = _ScriptedWriteBack()
     store.write_hidden(8, torch.tensor([2]), torch.full((1, 16), 3.0))
-    slots, moved = torch.tensor([2, 5]), []
-    original = torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (moved.append(a), original(self, *a, **k))[1])
+    slots = torch.tensor([2, 5])
+    moved = count_tensor_calls(monkeypatch, ("to",))
     loads = store.fetch_tail(slots, HostToDevice("cpu"))
     monkeypatch.undo()
     assert len(moved) == 1 and store.pending_write_backs() == 0
@@ -339,11 +339,7 @@ def test_hicache_host_pool_kernel_backend_moves_rows_without_reading_on_the_host
     _fill(store, seed=7)
     pool = HiddenHostPool(store, size=32, page_size=1, kernel_copy=_indexed_copy_contract)
     dev, host, fresh = (torch.arange(a, a + 12, device=DEVICE) for a in (8, 16, 40))
-    reads = []
-    for name in ("tolist", "item", "__int__", "__index__", "cpu", "to", "numpy"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    reads = count_tensor_calls(monkeypatch, (*HOST_READS, "cpu", "to", "numpy"))
     pool.backup_from_device_all_layer_physical(store, host, dev, "kernel")
     pool.load_to_device_per_layer_physical(store, host, fresh, 0, "kernel")
     monkeypatch.undo()

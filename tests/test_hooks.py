@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import hook_registry_callers
+from helpers import count_tensor_calls, hook_registry_callers
 from tailreplay_sglang import hooks
 from tailreplay_sglang.families import gdn
 from tailreplay_sglang.cache.anchors import IntervalAnchors
@@ -69,11 +69,7 @@ def test_the_anchor_writers_read_the_batch_layout_once_per_forward(monkeypatch, 
     """Each read of a device tensor on the host is a sync on a GPU: a planned prefill forward reads the batch
     layout (bounds, slots, which sequences continue a state) once, whatever the number of recurrent layers whose
     hooks write anchors; an unplanned one reads nothing (issue 38 item 5)."""
-    reads = []
-    for name in ("tolist", "item", "__int__", "__index__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    reads = count_tensor_calls(monkeypatch)
     runtime = TailReplayRuntime(TailReplayConfig(enabled=True), interval_anchors=IntervalAnchors(64))
     h = torch.arange(2.0).view(1, 2, 1, 1, 1).expand(1, 2, 2, 2, 2)
     x = torch.ones(4, 100)
@@ -101,11 +97,7 @@ def test_committing_or_dropping_planned_anchors_reads_nothing_from_the_device(mo
 
     from tailreplay_sglang.cache.request import state_of
 
-    reads = []
-    for name in ("tolist", "item", "__int__", "__index__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    reads = count_tensor_calls(monkeypatch)
     anchors, freed = IntervalAnchors(64), []
     pool = SimpleNamespace(mamba_allocator=SimpleNamespace(free=freed.append))
     req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=None, cache_protected_len=0))
@@ -137,13 +129,11 @@ def test_planning_a_batchs_interval_anchors_reads_the_device_once(monkeypatch):
             mamba_pool_idx=allocator.alloc(1)[0], holds_mamba=True, req_pool_idx=None, cache_protected_len=0))
         state_of(req).exact = True
         reqs.append(req)
-    reads = []
-    original = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (reads.append(1), original(self))[1])
+    reads = count_tensor_calls(monkeypatch, ("tolist",))
     anchors = IntervalAnchors(64)
     anchors.plan(reqs, pool, tree, replayed_hits=[])
     monkeypatch.undo()
-    assert reads == [1]
+    assert reads == ["tolist"]
     for req, offsets in zip(reqs, ([64, 128], [64, 128, 192], [])):
         planned = state_of(req).interval_anchors or []
         assert [depth for depth, _, _ in planned] == [10 + off for off in offsets]
@@ -166,11 +156,7 @@ def test_host_anchor_saves_and_restores_read_nothing_from_the_device(monkeypatch
     cache = SimpleNamespace(conv=[torch.randn(layers, slots, 4, 2)], temporal=torch.randn(layers, slots, 2, 2, 2))
     pool = SimpleNamespace(mamba_cache=cache)
     host = HostAnchors(pool, capacity=2)
-    reads = []
-    for name in ("tolist", "item", "__int__", "__index__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    reads = count_tensor_calls(monkeypatch)
     node = object()
     assert host.save(node, pool, torch.tensor([2], dtype=torch.int32))  # mamba slot ids are int32 in SGLang
     staged = StagedAnchors()  # the forward's restore of a hit admitted with this anchor, into its slot 5

@@ -34,7 +34,9 @@ class HiddenHostPool:
         # the kernel addresses host rows through their device mapping: only pinned rows of a device-tier store
         if kernel_copy is None and pin_memory and store.hiddens.is_cuda:
             kernel_copy = sglang_indexed_copy()
-        self.kernel_copy = kernel_copy
+        # it moves a row as 8-byte words: a row of another size (float8 rows carry a 4-byte scale) would lose its
+        # tail and misalign the next, so such rows go through torch
+        self.kernel_copy = kernel_copy if _row_bytes(store.hiddens[0]) % KERNEL_WORD == 0 else None
         groups, row = store.hiddens.shape[0], store.hiddens.shape[-1]
         self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
         self.token_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin_memory)
@@ -74,18 +76,13 @@ class HiddenHostPool:
     def _copy_rows(self, src, dst, src_indices, dst_indices, io_backend) -> None:
         """`dst`'s rows and token ids at `dst_indices` = `src`'s at `src_indices` (the store or this pool each)."""
         tables = [*zip(src.hiddens, dst.hiddens), (src.token_ids, dst.token_ids)]  # one [slots, row] table a group
-        if io_backend == "kernel" and self.kernel_copy is not None and self._rows_fit_the_kernel():
+        if io_backend == "kernel" and self.kernel_copy is not None:
             for s, d in tables:
                 self.kernel_copy(src=s, dst=d, src_indices=src_indices, dst_indices=dst_indices,
                                  item_size=_row_bytes(s))
             return
         for s, d in tables:
             d[dst_indices.to(d.device)] = s[src_indices.to(s.device)].to(d.device)
-
-    def _rows_fit_the_kernel(self) -> bool:
-        """The kernel moves a row as 8-byte words: a row of another size (float8 rows carry a 4-byte scale) would
-        lose its tail and misalign the next, so such rows go through torch."""
-        return _row_bytes(self.hiddens[0]) % KERNEL_WORD == 0
 
     # ---- L3: a page of host slots as bytes ----
 

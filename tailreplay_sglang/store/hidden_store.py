@@ -132,7 +132,7 @@ class HiddenStore:
         if self.write_back is None:
             return {key: h2d.copy(key, table[slots]) for key, table in tables.items()}
         idx = self._host_slots(slots)
-        return {key: h2d.copy(key, pin(_gather(table, idx))) for key, table in tables.items()}
+        return {key: h2d.copy(key, _gather(table, idx)) for key, table in tables.items()}
 
     def pending_write_backs(self) -> int:
         if self.write_back is None:
