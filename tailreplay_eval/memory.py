@@ -66,13 +66,15 @@ HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Smal
                      "read from a checkpoint")
 HAND_WRITTEN = {
     "Qwen3.5-4B": {
-        "model_type": "qwen3_5_text", "hidden_size": 2560, "num_hidden_layers": 32, "full_attention_interval": 4,
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+        "hidden_size": 2560, "num_hidden_layers": 32, "full_attention_interval": 4,
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "dtype": "bfloat16",
     },
     "Qwen3.6-27B": {
-        "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "full_attention_interval": 4,
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+        "hidden_size": 5120, "num_hidden_layers": 64, "full_attention_interval": 4,
         "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
         "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "dtype": "bfloat16",
@@ -154,10 +156,19 @@ def _text_config(model_path: Path) -> dict:
     `mamba_ssm_dtype`) at the top level, which SGLang reads there: those come along."""
     raw = json.loads((Path(model_path) / "config.json").read_text())
     text = dict(raw.get("text_config", raw))
-    for key in ("dtype", "torch_dtype", "mamba_ssm_dtype"):
+    for key in ("architectures", "dtype", "torch_dtype", "mamba_ssm_dtype"):
         if key not in text and key in raw:
             text[key] = raw[key]
     return text
+
+
+def _preset_architecture(preset) -> str:
+    """The architecture transformers writes into the preset's config.json when `models.build_model` saves it."""
+    from transformers.models.auto import modeling_auto
+
+    names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if preset.vision
+             else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return names[preset.model_type]
 
 
 def preset_config(preset: str) -> dict:
@@ -166,7 +177,8 @@ def preset_config(preset: str) -> dict:
 
     p = models.PRESETS[preset]
     return {
-        "model_type": p.model_type, "hidden_size": p.hidden_size, "num_hidden_layers": p.num_hidden_layers,
+        "architectures": [_preset_architecture(p)], "model_type": p.model_type, "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_hidden_layers,
         "layer_types": models.layer_types(p.num_hidden_layers),
         "full_attention_interval": models.FULL_ATTENTION_INTERVAL,
         "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,

@@ -27,19 +27,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailreplay_sglang.architectures import GDN, KDA, MAMBA2, family_of, served_list  # noqa: F401 (re-exported)
+
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
-GDN, MAMBA2, KDA = "gdn", "mamba2", "kda"
-SUPPORTED = ("Qwen3.5 (dense and MoE, text-only and vision-language), Qwen3-Next and OLMo-Hybrid (Gated DeltaNet: "
-             "models whose config lists linear_attention layers), Nemotron-H (Mamba2: NemotronHForCausalLM, "
-             "a hybrid_override_pattern of M, -, E and * layers), Granite-4.0-H (Mamba2: "
-             "GraniteMoeHybridForCausalLM) and Kimi Linear (KDA: KimiLinearForCausalLM)")
+SUPPORTED = served_list()
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
                "moe": MOE}
-MAMBA2_ARCHITECTURES = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
 PARALLEL_HYBRIDS = ("FalconH1ForCausalLM",)  # attention and Mamba2 side by side in every layer
-KDA_ARCHITECTURES = ("KimiLinearForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -166,9 +162,8 @@ def is_parallel_hybrid(architectures) -> bool:
 
 
 def mixer_of(architectures) -> str:
-    if any(a in KDA_ARCHITECTURES for a in architectures):
-        return KDA
-    return MAMBA2 if any(a in MAMBA2_ARCHITECTURES for a in architectures) else GDN
+    """The served architecture's family (`architectures.SERVED`); any other architecture is refused by name."""
+    return family_of(architectures)
 
 
 def layer_kinds(text_config) -> tuple[str, ...]:

@@ -130,15 +130,11 @@ def unsupported(server_args) -> list[str]:
     return problems
 
 
-# Recurrent families whose speculative verify is tested with Tail-Replay (tests/test_speculative.py): GDN's.
-SPECULATIVE_FAMILIES = ("gdn",)
-
-
 def check_speculative_family(family, server_args) -> None:
     """Speculative decoding with Tail-Replay is tested on GDN models only (Qwen3.5, Qwen3-Next: their MTP heads);
     Nemotron-H's MTP (Mamba2) and KDA verify paths are not, and on a CPU their ops refuse a verify mid-serving."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
-    if algorithm and family is not None and family.name not in SPECULATIVE_FAMILIES:
+    if algorithm and family is not None and not family.speculative:
         raise UnsupportedConfigError(
             f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN models (Qwen3.5, "
             f"Qwen3-Next) only; this model's recurrent layers are {family.name}")
@@ -195,12 +191,10 @@ def check_anchor_graphs(family, graph_config, on_cuda: bool) -> None:
     if not on_cuda or graph_config is None or family is None:
         return
     backend = getattr(graph_config.prefill.backend, "value", graph_config.prefill.backend)
-    captured = {"full"} | ({"breakable"} if family.name == "kda" else set())
-    if backend in captured:
+    if backend in family.anchor_capturing_prefill_graphs:
         raise UnsupportedConfigError(
             f"--cuda-graph-backend-prefill {backend} captures the {family.name} extend, where Tail-Replay's interval "
-            f"anchors are written (resolved: prefill {backend}); use "
-            f"{'--disable-prefill-cuda-graph' if family.name == 'kda' else '--cuda-graph-backend-prefill breakable'}, "
+            f"anchors are written (resolved: prefill {backend}); use {family.eager_prefill_flag}, "
             f"or --tail-replay-anchor-interval 0")
 
 

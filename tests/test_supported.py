@@ -211,17 +211,24 @@ def test_the_host_tier_needs_every_resolved_graph_phase_off(flags, refused):
 ], ids=["gdn-default", "gdn-full", "kda-breakable", "kda-full", "kda-off"])
 def test_no_prefill_graph_captures_the_extend_interval_anchors_are_written_in(family, flags, refused):
     """GPU path review N4: a captured linear extend never runs the anchor hooks at replay."""
-    from types import SimpleNamespace
-
     from tailreplay_sglang.supported import check_anchor_graphs
 
     graphs = _resolved_graphs(**flags)
-    check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=False)  # no graphs on a CPU
+    check_anchor_graphs(_family(family), graphs, on_cuda=False)  # no graphs on a CPU
     if refused is None:
-        check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=True)
+        check_anchor_graphs(_family(family), graphs, on_cuda=True)
     else:
         with pytest.raises(UnsupportedConfigError, match=f"--cuda-graph-backend-prefill {refused} captures"):
-            check_anchor_graphs(SimpleNamespace(name=family), graphs, on_cuda=True)
+            check_anchor_graphs(_family(family), graphs, on_cuda=True)
+
+
+def _family(name: str):
+    """The family's own instance: what differs between families is an attribute of `Family`, not a name test."""
+    import importlib
+
+    from tailreplay_sglang.families import MODULES
+
+    return importlib.import_module(MODULES[name]).FAMILY
 
 
 # ---- speculative decoding only on the families it is tested on (issue 40) ----
@@ -235,7 +242,7 @@ def test_speculative_decoding_only_on_tested_families(family, algorithm, refused
 
     from tailreplay_sglang.supported import check_speculative_family
 
-    call = lambda: check_speculative_family(SimpleNamespace(name=family),  # noqa: E731
+    call = lambda: check_speculative_family(_family(family),  # noqa: E731
                                             SimpleNamespace(speculative_algorithm=algorithm))
     if refused:
         with pytest.raises(UnsupportedConfigError, match="--speculative-algorithm"):
@@ -250,13 +257,9 @@ def test_dp_attention_only_on_families_whose_replay_runs_under_it(family, attn_d
     """Attention DP needs the family's replay to run its feed-forward blocks as one pass of every rank: GDN only."""
     from types import SimpleNamespace
 
-    import importlib
-
-    from tailreplay_sglang.families import MODULES
     from tailreplay_sglang.supported import check_dp_attention_family
 
-    chosen = importlib.import_module(MODULES[family]).FAMILY
-    call = lambda: check_dp_attention_family(chosen, SimpleNamespace(attn_dp_size=attn_dp))  # noqa: E731
+    call = lambda: check_dp_attention_family(_family(family), SimpleNamespace(attn_dp_size=attn_dp))  # noqa: E731
     if refused:
         with pytest.raises(UnsupportedConfigError, match="--enable-dp-attention .* GDN models"):
             call()

@@ -4,7 +4,7 @@ here and its INTERVAL_ANCHORS rows in `hooks.py`."""
 import importlib
 
 from tailreplay_sglang.families.base import Family, FamilyBindError, ReplayBatch
-from tailreplay_sglang.layout import GDN, KDA, MAMBA2
+from tailreplay_sglang.architectures import GDN, KDA, MAMBA2
 
 # Imported on first use: a family module imports its kernels, which the launcher never needs.
 MODULES = {GDN: "tailreplay_sglang.families.gdn", MAMBA2: "tailreplay_sglang.families.mamba2",

@@ -66,6 +66,12 @@ class Family:
     anchor_prefill_backends: tuple[str, ...] | None = None
     # The replay runs under attention DP: its feed-forward blocks as one pass of every rank (`feed_forwards`)
     dp_attention: bool = False
+    # Speculative decoding (NEXTN, NGRAM) is tested with this family's verify (`supported.check_speculative_family`)
+    speculative: bool = False
+    # SGLang's prefill CUDA-graph backends that capture this family's extend, where the interval anchors are written
+    # (`supported.check_anchor_graphs`), and the flag that keeps the extend eager
+    anchor_capturing_prefill_graphs: tuple[str, ...] = ("full",)
+    eager_prefill_flag: str = "--cuda-graph-backend-prefill breakable"
 
     def anchor_grid(self, layout) -> int:
         """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""

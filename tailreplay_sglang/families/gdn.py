@@ -32,6 +32,7 @@ class GdnFamily(Family):
     name = "gdn"
     anchor_prefill_backends = ("triton",)  # write_anchor_ssm_states wraps the Triton chunk kernel
     dp_attention = True
+    speculative = True  # Qwen3.5's and Qwen3-Next's MTP heads (tests/test_speculative.py)
 
     def install_capture(self, layers, store) -> list:
         return capture.at_mixer_inputs(layers, store, "linear_attn")

@@ -29,6 +29,10 @@ _MIXER = ("do_fuse_qkvbfg", "o_norm", "o_proj", "head_dim", "attn.conv_weights",
 class KdaFamily(Family):
     name = "kda"
     anchor_prefill_backends = ("triton",)  # write_anchor_ssm_states wraps TritonKDAKernel.extend
+    # SGLang's breakable prefill graph runs the GDN extend eagerly between its segments, but KDA's inside them
+    # (GPU path review N4)
+    anchor_capturing_prefill_graphs = ("full", "breakable")
+    eager_prefill_flag = "--disable-prefill-cuda-graph"
 
     def install_capture(self, layers, store) -> list:
         return capture.at_stage_boundaries(layers, store, lambda layer: layer.attn_boundary)

@@ -1,0 +1,116 @@
+"""Which model architectures Tail-Replay serves: an allow-list, so that every other one fails closed at start-up.
+
+SGLang decides that a model is a hybrid by its config class (`configs/hybrid_arch.py`, the linear-attention
+registry), and a new architecture's config can pass for an old one: Qwen3.8-Flash-Next's text config subclasses
+Qwen3-Next's, so its layer list reads as one GDN stack although its residual stream is four hyper-connection
+streams and its attention layers carry an indexer cache. Reading such a model with an old family's recipe would
+replay the wrong input and label the result exact. So an architecture is served only where it is listed in `SERVED`
+with its recurrent family, each with its tests (docs/models.md); every other one is refused naming itself and the
+served list, with the reason `REFUSED` records where the architecture is one SGLang 0.5.23 serves as a hybrid.
+`tests/test_architectures.py` walks every hybrid architecture SGLang 0.5.23 registers through this check, and checks
+that docs/models.md's table says the same.
+"""
+
+GDN, MAMBA2, KDA = "gdn", "mamba2", "kda"
+
+# architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
+SERVED = {
+    "Qwen3_5ForCausalLM": (GDN, "Qwen3.5, text-only"),
+    "Qwen3_5MoeForCausalLM": (GDN, "Qwen3.5 MoE, text-only"),
+    "Qwen3_5ForConditionalGeneration": (GDN, "Qwen3.5, vision-language (as Qwen publishes it)"),
+    "Qwen3_5MoeForConditionalGeneration": (GDN, "Qwen3.5 MoE, vision-language"),
+    "Qwen3NextForCausalLM": (GDN, "Qwen3-Next"),
+    "OlmoHybridForCausalLM": (GDN, "OLMo-Hybrid (SGLang model from this package)"),
+    "NemotronHForCausalLM": (MAMBA2, "Nemotron-H"),
+    "GraniteMoeHybridForCausalLM": (MAMBA2, "Granite-4.0-H"),
+    "KimiLinearForCausalLM": (KDA, "Kimi Linear"),
+}
+
+# SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
+# a draft of a served target is served with it, never on its own (the launcher reads the target's config.json).
+DRAFTS = {
+    "Qwen3_5ForCausalLMMTP": "Qwen3_5ForConditionalGeneration",
+    "Qwen3NextForCausalLMMTP": "Qwen3NextForCausalLM",
+}
+
+_NO_FAMILY = "a mixer with no replay family here yet"
+_UNTESTED = "not served until it has the tests every served family has"
+_DRAFT = "an MTP draft of a model Tail-Replay does not serve"
+
+# Every other architecture SGLang 0.5.23 serves as a hybrid (its hybrid_arch.py configs and linear-attention
+# registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
+REFUSED = {
+    # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
+    "Qwen4ExpForConditionalGeneration": (
+        "Qwen3.8-Flash-Next: its residual stream is 4 hyper-connection streams (hc_count), so a group's input is all "
+        "4 and not the one hidden the GDN recipe stores, and its indexed_attention layers keep an indexer cache the "
+        "hit does not carry"),
+    "Qwen4ExpForCausalLMMTP": (_DRAFT + " (Qwen3.8-Flash-Next)"),
+    "Glm5NextForConditionalGeneration": (
+        "GLM-5.3-Flash: mHC with 4 Sinkhorn-mixed streams (hc_mult) around KDA and DSA-indexed MLA layers; a group's "
+        "input is all 4 streams and the indexer cache is not carried"),
+    "Glm5NextForConditionalGenerationNextN": (_DRAFT + " (GLM-5.3-Flash)"),
+    "KimiK3ForConditionalGeneration": (
+        "Kimi K3: attention residuals (attn_res_block_size) make later layers read an aggregate of earlier blocks' "
+        "outputs, which a group's one stored input does not carry"),
+    "KimiK3LinearForCausalLM": ("Kimi K3 (text): attention residuals, as KimiK3ForConditionalGeneration"),
+    "BailingMoeV3ForCausalLM": ("Ling-3.0: KDA + gated MLA (5:1); " + _UNTESTED),
+    "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
+    "BailingMoeV2_5ForCausalLM": ("Ling-2.5 / Ring-2.5: lightning attention (fixed per-head decay), " + _NO_FAMILY),
+    "BailingMoeForCausalLMNextN": (_DRAFT + " (Ling)"),
+    # the other hybrids
+    "FalconH1ForCausalLM": (
+        "Falcon-H1: attention and Mamba2 side by side in every layer, so every layer would be a group and the store "
+        "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
+    "Lfm2ForCausalLM": ("LFM2: gated short-conv layers, " + _NO_FAMILY),
+    "Lfm2MoeForCausalLM": ("LFM2-MoE: gated short-conv layers, " + _NO_FAMILY),
+    "Lfm2VlForConditionalGeneration": ("LFM2-VL: gated short-conv layers, " + _NO_FAMILY),
+    "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),
+    "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
+    "NemotronHPuzzleForCausalLM": ("Nemotron-H Puzzle (heterogeneous per-layer blocks); " + _UNTESTED),
+    "NemotronH_Nano_VL_V2": ("Nemotron-H Nano VL: image rows in group 0's input; " + _UNTESTED),
+    "NemotronH_Nano_Omni_Reasoning_V3": ("Nemotron-H Nano Omni: image and audio rows in group 0; " + _UNTESTED),
+    "NemotronH_Omni_Reasoning_V3": ("Nemotron-H Omni: image and audio rows in group 0; " + _UNTESTED),
+    "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
+    "JetNemotronForCausalLM": ("Jet-Nemotron: JetBlock linear attention (dynamic convolution kernels), not the GDN "
+                               "layer SGLang's list files it under; " + _NO_FAMILY),
+    "JetVLMForConditionalGeneration": ("JetVLM: JetBlock linear attention; " + _NO_FAMILY),
+    "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "
+                        + _NO_FAMILY),
+    "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
+    "MiniCPMV4_6ForConditionalGeneration": ("MiniCPM-V 4.6: a Qwen3.5 backbone in MiniCPM-V's wrapper; " + _UNTESTED),
+    "MiniCPMV4_7ForConditionalGeneration": ("MiniCPM-V 4.7: a Qwen3.5 backbone in MiniCPM-V's wrapper; " + _UNTESTED),
+    "InternS2PreviewForConditionalGeneration": ("InternS2-Preview: a Qwen3.5-layout GDN hybrid; " + _UNTESTED),
+    "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "
+                                               "banks; " + _UNTESTED),
+    "GigaChat35ForCausalLM": ("GigaChat3.5: a GDN hybrid from SGLang's linear-attention registry; " + _UNTESTED),
+    "GigaChat35ForCausalLMNextN": (_DRAFT + " (GigaChat3.5)"),
+    "InklingForConditionalGeneration": ("Inkling: a Mamba2 hybrid whose SGLang model needs cutlass (it does not "
+                                        "import on a CPU); " + _UNTESTED),
+    "InklingForConditionalGenerationMTP": (_DRAFT + " (Inkling)"),
+    "MambaForCausalLM": ("Mamba: a pure state-space model, no attention layer, so there is no KV to keep beside "
+                         "the states; stock SGLang's state checkpoints are all a hit could reuse"),
+    "Mamba2ForCausalLM": ("Mamba2: a pure state-space model, no attention layer (as MambaForCausalLM)"),
+    "FalconMambaForCausalLM": ("Falcon-Mamba: a pure state-space model, no attention layer (as MambaForCausalLM)"),
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture is not on the allow-list; the message names it and what is served."""
+
+
+def served_list() -> str:
+    return "; ".join(f"{what} ({arch}, {family})" for arch, (family, what) in SERVED.items())
+
+
+def family_of(architectures) -> str:
+    """The recurrent family of the checkpoint's first architecture (SGLang loads that one), or
+    `UnsupportedArchitectureError` naming it, why where known, and every served architecture."""
+    arch = (list(architectures) or ["(none in config.json)"])[0]
+    arch = DRAFTS.get(arch, arch)
+    if arch in SERVED:
+        return SERVED[arch][0]
+    why = REFUSED.get(arch)
+    reason = f": {why}" if why else " (not a hybrid Tail-Replay knows; it needs linear-attention layers)"
+    raise UnsupportedArchitectureError(f"--enable-tail-replay does not serve {arch}{reason}. "
+                                       f"Supported: {served_list()}")
