@@ -44,3 +44,34 @@ def test_saved_states_come_back_whole_through_reused_host_slots():
         for got, want in zip(_states(pool, 7 + j), saved[node]):
             assert torch.equal(got, want)
     assert _states(pool, 9)[0].ne(0).any()  # a slot no restore names is left alone
+
+
+def test_a_saved_index_freed_on_the_scheduler_stream_is_not_reused_before_the_forwards_save_reads_it():
+    """GPU path review A, natively on CUDA (scripts/gpu_check.sh): the save is queued on the forwards' stream behind
+    a long kernel, the node's index tensor is freed on the scheduler's stream and a new tensor allocated there. With
+    `keep_for_forward_stream` the allocator does not hand the index's block out before the save read it, so the host
+    anchor holds slot 3's state, not that of the slot the new tensor's value names."""
+    import pytest
+
+    from tailreplay_sglang.cache.component import keep_for_forward_stream, on_forward_stream
+
+    if DEVICE != "cuda":
+        pytest.skip("the caching allocator's cross-stream reuse exists on CUDA only")
+    pool, node = _pool(), object()
+    host = HostAnchors(pool, capacity=1)
+    scheduler, forward = torch.cuda.Stream(), torch.cuda.Stream()
+    want = _states(pool, 3)
+    with torch.cuda.stream(scheduler):
+        index = torch.tensor([[3]], device=DEVICE).clone()
+        with on_forward_stream(forward):
+            torch.cuda._sleep(200_000_000)  # the in-flight forward
+            keep_for_forward_stream(index, forward)
+            host.save(node, pool, index.view(-1)[:1])
+        del index  # the eviction's free, on the scheduler's stream
+        reused = torch.full((1, 1), 8, device=DEVICE)  # the next small allocation there
+    torch.cuda.synchronize()
+    del reused
+    host.restore(node, pool, torch.tensor([9], device=DEVICE))
+    torch.cuda.synchronize()
+    for got, expected in zip(_states(pool, 9), want):
+        assert torch.equal(got, expected)

@@ -57,6 +57,88 @@ def test_an_anchor_backed_up_to_hicache_has_its_index_copied_on_the_forward_stre
     assert data.host_value.tolist() == [3] and written == [None]
 
 
+def _keep_alive_recorder(monkeypatch, rec) -> list:
+    """`record_stream` calls as (tensor, stream, forwards' stream current), with "forward-stream" taken for CUDA's."""
+    kept = []
+    monkeypatch.setattr(component, "is_cuda_stream", lambda stream: stream == "forward-stream")
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: kept.append((self, stream, rec.on_forward)))
+    return kept
+
+
+def test_an_anchor_backed_up_to_hicache_keeps_its_index_alive_for_the_forward_stream(monkeypatch):
+    """A: the backup kernel queued on the forwards' stream reads the node's device index, which the eviction frees
+    on the scheduler's stream right after; without `record_stream` the block can be reused and overwritten first
+    (after a decode-graph step the scheduler's stream waits only for a marker near the graph's start)."""
+    rec = _Recorder()
+    monkeypatch.setattr(component, "on_forward_stream", rec.stream)
+    kept = _keep_alive_recorder(monkeypatch, rec)
+    host_value, device = torch.tensor([3]), torch.tensor([5])
+    entry = SimpleNamespace(device_pool="mamba-pool", host_pool=SimpleNamespace(
+        backup_from_device_all_layer=rec.record("backup kernel")))
+    controller = SimpleNamespace(io_backend="kernel", move_indices=rec.record("move_indices", (host_value, device)))
+    group = SimpleNamespace(alloc=lambda n, pool: host_value, get_entry=lambda pool: entry)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda: None))
+    self = SimpleNamespace(component_type="mamba", cache=SimpleNamespace(
+                               host_pool_group=group, cache_controller=controller,
+                               write_state_to_storage=lambda node, copied: None),
+                           runtime=SimpleNamespace(forward_stream="forward-stream",
+                                                   count_hicache_anchor_backup=lambda: None))
+    data = SimpleNamespace(value=device, host_value=None)
+    TailReplayMambaComponent._backup_state_to_hicache(self, SimpleNamespace(component_data={"mamba": data}))
+    assert [(t is device, stream, on_forward) for t, stream, on_forward in kept] == [(True, "forward-stream", True)]
+
+
+def test_an_anchor_saved_to_host_keeps_its_index_alive_for_the_forward_stream(monkeypatch):
+    """A, for host anchors: `_save_to_host` gathers the state by the node's device index on the forwards' stream
+    (N7 removed the `int()` that read it first), and the eviction then frees that index."""
+    rec = _Recorder()
+    monkeypatch.setattr(component, "on_forward_stream", rec.stream)
+    kept = _keep_alive_recorder(monkeypatch, rec)
+    value, saved = torch.tensor([[7]]), []
+    host = SimpleNamespace(follow_tree=lambda root: None,
+                           save=lambda node, pool, slot: saved.append((slot.tolist(), rec.on_forward)))
+    pool = SimpleNamespace(translate_mamba_indices=lambda index: index, mamba_pool="mamba-pool")
+    self = SimpleNamespace(component_type="mamba", tree_core=SimpleNamespace(root_node=None),
+                           cache=SimpleNamespace(req_to_token_pool=pool),
+                           runtime=SimpleNamespace(host_anchors=host, forward_stream="forward-stream"))
+    node = SimpleNamespace(component_data={"mamba": SimpleNamespace(value=value)})
+    TailReplayMambaComponent._save_to_host(self, node)
+    assert saved == [([7], True)]
+    assert [(t is value, stream, on_forward) for t, stream, on_forward in kept] == [(True, "forward-stream", True)]
+
+
+def test_a_hicache_anchor_keeps_its_host_lock_until_its_restore_has_run(monkeypatch):
+    """B: the restore's H2D copy is queued on the forwards' stream, and HiCache's storage prefetch can evict and
+    rewrite that host slot from its IO thread, outside stream order; so the host lock is given back only once an
+    event recorded after the copy has completed, at a later scheduling step. The plugin's own host anchors, whose
+    only writers are saves queued on that same stream, are unpinned at once."""
+    from tailreplay_sglang.cache import anchor_copy
+
+    done = {"copied": False}
+    monkeypatch.setattr(anchor_copy, "copy_done_event", lambda: SimpleNamespace(query=lambda: done["copied"]))
+    restored = []
+    monkeypatch.setattr(anchor_copy, "restore_from_hicache", lambda cache, node, slot: restored.append(node.id))
+    unlocked, unpinned = [], []
+    lock = SimpleNamespace(to_dec_params=lambda: None)
+    cache = SimpleNamespace(inc_host_lock_ref=lambda node_id: lock,
+                            dec_host_lock_ref=lambda node_id, params: unlocked.append(node_id))
+    host_anchors = SimpleNamespace(pin=lambda node: None, unpin=lambda node: unpinned.append(node.id))
+    pool = SimpleNamespace(translate_mamba_indices=lambda index: index, mamba_pool="mamba-pool")
+    reqs = [SimpleNamespace(kv=SimpleNamespace(mamba_pool_idx=torch.tensor(i))) for i in (1, 2)]
+    host_anchors.restore = lambda node, mamba_pool, slot: restored.append(node.id)
+    staged = anchor_copy.StagedAnchors()
+    staged.hold_hicache(cache, reqs[0], SimpleNamespace(id=10))
+    staged.hold_host(host_anchors, reqs[1], SimpleNamespace(id=20))
+    staged.release(cache, host_anchors, admitted=reqs)
+    staged.restore_host(host_anchors, pool)
+    assert restored == [10, 20] and unpinned == [20] and unlocked == []  # the H2D copy has not run yet
+    staged.release(cache, host_anchors, admitted=())  # the next scheduling step, copy still in flight
+    assert unlocked == [] and len(staged) == 1
+    done["copied"] = True
+    staged.release(cache, host_anchors, admitted=())
+    assert unlocked == [10] and len(staged) == 0
+
+
 def test_the_anchor_copy_on_write_does_not_wait_for_the_batchs_load_back():
     """N5: stock's copy-on-write waits for the last mamba layer of the batch's HiCache load-back (a stock source can
     be a state loading back), which held an anchored hit's replay until nearly all its KV had paged back. Our

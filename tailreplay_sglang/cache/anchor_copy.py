@@ -14,7 +14,10 @@ A stock hit's source is its own match end, which the request's tree lock keeps. 
 held from the match until its copy no longer needs it:
 - a device anchor by a tree lock until the scheduler has formed the batch. Its slot id is then in the batch's own
   index tensor, and any later write to that slot comes from a later forward, ordered after this copy;
-- a host anchor by a pin in the host pool (HiCache's: a host lock on its node) until the forward's restore has run.
+- a host anchor by a pin in the host pool until the forward's restore has been queued (later writes to that host
+  slot are saves, queued on the same stream); HiCache's by a host lock on its node until an event recorded after
+  the restore has completed, since HiCache's storage prefetch can evict and rewrite that host slot from its IO
+  thread, outside any stream order (GPU path review B; `StagedAnchors.unlock_restored`).
 `release` runs when `Scheduler.get_new_batch_prefill` returns, for the requests of the new batch and for those the
 scheduler matched but did not admit, whose slot it frees (`unstage`) if SGLang has not. So no hold outlives the
 scheduling step that took it, whatever happens to the request later (abort, retraction, flush).
@@ -45,6 +48,8 @@ class StagedAnchors:
     def __init__(self):
         self._held: list[_Held] = []  # from the match until the batch is formed
         self._restores: list[_Held] = []  # host anchors of the formed batch, until its forward
+        # HiCache anchors restored by a forward, with the event after their copy: host-locked until it completes
+        self._restoring: list[tuple[_Held, object]] = []
 
     def hold_device(self, cache, req, anchor) -> None:
         """Lock the anchor (before the hit's slot is allocated: the allocation may evict) and take its state as the
@@ -60,6 +65,7 @@ class StagedAnchors:
 
     def release(self, cache, host_anchors, admitted) -> None:
         """The scheduler formed its batch (`admitted`: its requests; empty when none was formed)."""
+        self.unlock_restored(host_anchors)
         for held in self._held:
             is_admitted = any(req is held.req for req in admitted)
             if held.lock is not None and held.hicache is None:
@@ -90,13 +96,35 @@ class StagedAnchors:
             slot = req_to_token_pool.translate_mamba_indices(held.req.kv.mamba_pool_idx.view(1))  # on the device
             if held.hicache is not None:  # both copies take the slot as a device index: nothing read on the host
                 restore_from_hicache(held.hicache, held.node, slot)
+                self._restoring.append((held, copy_done_event()))
             else:
                 host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)
-            held.unhold_host(host_anchors)
+                held.unhold_host(host_anchors)
         self._restores.clear()
+        self.unlock_restored(host_anchors)
+
+    def unlock_restored(self, host_anchors) -> None:
+        """Give back the host locks of HiCache anchors whose restore has run on the device (at once on a CPU, where
+        the copy ran when it was called). Called after each restore and at every scheduling step."""
+        pending = []
+        for held, done in self._restoring:
+            if done is None or done.query():
+                held.unhold_host(host_anchors)
+            else:
+                pending.append((held, done))
+        self._restoring = pending
 
     def __len__(self) -> int:
-        return len(self._held) + len(self._restores)
+        return len(self._held) + len(self._restores) + len(self._restoring)
+
+
+def copy_done_event():
+    """An event recorded on the current (the forward's) stream after the copies just queued; None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def copy_without_load_wait(original, pool, src_index, dst_index) -> None:

@@ -338,6 +338,7 @@ class TailReplayMambaComponent(TaintedKVComponent):
         # The index copy to the device goes on the stream of the kernel that reads it: from the scheduler's stream
         # it would race that kernel, and its block could be reused (by the eviction's own frees) before it ran.
         with on_forward_stream(self.runtime.forward_stream):
+            keep_for_forward_stream(data.value, self.runtime.forward_stream)
             host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
             entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices,
                                                          controller.io_backend)
@@ -385,7 +386,9 @@ class TailReplayMambaComponent(TaintedKVComponent):
         pool = self.cache.req_to_token_pool
         # the slot stays a device index, translated on the stream of the copy that reads it (as in N1)
         with on_forward_stream(self.runtime.forward_stream):
-            slot = pool.translate_mamba_indices(node.component_data[self.component_type].value.view(-1)[:1])
+            value = node.component_data[self.component_type].value
+            keep_for_forward_stream(value, self.runtime.forward_stream)
+            slot = pool.translate_mamba_indices(value.view(-1)[:1])
             host.save(node, pool.mamba_pool, slot)
 
 
@@ -404,11 +407,25 @@ def on_forward_stream(stream):
     writing, or be overtaken by a later write to the freed slot. On the forwards' stream it runs after every batch
     already launched and before any launched later. Before the first forward, or on a CPU, a no-op (nothing to
     order: no anchor exists yet, or every op runs when it is called)."""
-    if stream is None or not isinstance(stream, torch.cuda.Stream):
+    if stream is None or not is_cuda_stream(stream):
         yield
         return
     with torch.cuda.stream(stream):
         yield
+
+
+def keep_for_forward_stream(index: torch.Tensor, stream) -> None:
+    """A device index that a copy queued on the forwards' stream reads must outlive that copy. The eviction frees a
+    node's state index on the scheduler's stream right after (SGLang's `_free_values`), and after a decode-graph
+    step that stream waits only for a marker near the graph's start, so the block could be reused and overwritten
+    before the queued copy read it: another slot's state saved as exact (GPU path review A). `record_stream` makes
+    the caching allocator keep the block until the forwards' stream has passed this point. A no-op off CUDA."""
+    if is_cuda_stream(stream):  # then the index is a device tensor too
+        index.record_stream(stream)
+
+
+def is_cuda_stream(stream) -> bool:
+    return isinstance(stream, torch.cuda.Stream)
 
 
 def create_tail_replay_cache(runtime, ctx):
