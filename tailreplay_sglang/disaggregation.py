@@ -66,6 +66,10 @@ def take_relayed(runtime, result, queue, decode_req, *args, **kwargs):
     buffers = queue.metadata_buffers
     if idx is None or idx < 0 or int(buffers.bootstrap_room[idx, 0]) != (req.bootstrap_room or 0):
         return result  # aborted or not a real transfer (SGLang already failed the request)
-    relayed = decode(buffers.cached_tokens[idx, FIRST_SLOT:FIRST_SLOT + 6].tolist())
-    setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))
+    relayed = decode(buffers.cached_tokens[idx, FIRST_SLOT:FIRST_SLOT + 6].tolist()) or TailReplayReq(exact=True)
+    before = getattr(req, REQ_ATTR, None)
+    # a rebootstrap (D sent the request back to P) after D streamed output from an approximate state (review F5)
+    if before is not None and getattr(req, "output_ids", None) and not before.exact:
+        relayed.emitted_approximate, relayed.exact = True, False
+    setattr(req, REQ_ATTR, relayed)
     return result

@@ -127,7 +127,7 @@ def mark_pending(runtime: TailReplayRuntime, result, batch, *args, **kwargs):
             if match.matched != req.prefix_len:
                 clean = not is_tainted(batch.tree_cache.tree_core.node_by_id(req.last_node))
                 match = retarget(match, req.prefix_len, clean, runtime.config)
-                state.exact = match.exact
+                state.exact = match.exact and not state.emitted_approximate
                 logger.debug("Tail-Replay: %s planned for %d tokens, extends from %d: %s", req.rid,
                              match.matched, req.prefix_len, match)
             runtime.pending.add(int(req.kv.req_pool_idx), match, req)

@@ -95,9 +95,9 @@ MUTANTS = (
            (PROPERTIES,)),
     Mutant("M9", "the forward's host restore keeps the pin", COPY,
            "                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)\n"
-           "            held.unhold_host(host_anchors)",
+           "                held.unhold_host(host_anchors)",
            "                host_anchors.restore(held.node, req_to_token_pool.mamba_pool, slot)\n"
-           "            if held.hicache is not None:\n                held.unhold_host(host_anchors)",
+           "                pass",
            (PROPERTIES,)),
     Mutant("M10", "a re-planned request's host hold is kept (StagedAnchors.drop)", COPY,
            "            else:\n                held.unhold_host(host_anchors)\n        self._held = keep",
@@ -106,8 +106,8 @@ MUTANTS = (
            "            setattr(node, TAINT_ATTR, True)  # the new leaf", "            pass  #", (PROPERTIES,)),
     Mutant("relay", "the decode server labels every request exact, whatever P relayed",
            "tailreplay_sglang/disaggregation.py",
-           "setattr(req, REQ_ATTR, relayed or TailReplayReq(exact=True))",
-           "setattr(req, REQ_ATTR, TailReplayReq(exact=True))", ("tests/test_disaggregation.py",)),
+           "    setattr(req, REQ_ATTR, relayed)", "    setattr(req, REQ_ATTR, TailReplayReq(exact=True))",
+           ("tests/test_disaggregation.py",)),
     Mutant("M2bs", "M2b, caught in the server: a retarget to its anchor's own depth goes to the root branch",
            "tailreplay_sglang/cache/request.py", "match.anchor <= prefix:", "match.anchor < prefix:", RETARGET_SERVER,
            server=True),
@@ -120,9 +120,11 @@ MUTANTS = (
     Mutant("N1", "an anchor's host index is copied to the device off the forwards' stream (GPU path review N1)",
            "tailreplay_sglang/cache/component.py",
            "        with on_forward_stream(self.runtime.forward_stream):\n"
+           "            keep_for_forward_stream(data.value, self.runtime.forward_stream)\n"
            "            host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))\n",
            "        host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))\n"
-           "        with on_forward_stream(self.runtime.forward_stream):\n",
+           "        with on_forward_stream(self.runtime.forward_stream):\n"
+           "            keep_for_forward_stream(data.value, self.runtime.forward_stream)\n",
            ("tests/test_stream_order.py",)),
     Mutant("N2", "HiCache's host twin copies the host-tier store without draining its write-back (N2)",
            "tailreplay_sglang/store/hicache_pool.py",
@@ -144,6 +146,16 @@ MUTANTS = (
     Mutant("B", "a HiCache anchor's host lock is given back as soon as its restore is queued",
            COPY, "                self._restoring.append((held, copy_done_event()))",
            "                self._restoring.append((held, None))", ("tests/test_stream_order.py",)),
+    Mutant("F2", "a re-admitted request takes its new match's label, although it emitted output from an approximate "
+           "state", "tailreplay_sglang/cache/request.py", "    state.exact = exact and not state.emitted_approximate",
+           "    state.exact = exact", (PROPERTIES,)),
+    Mutant("F6", "a re-admission keeps the replay figures of the request's first admission",
+           "tailreplay_sglang/cache/request.py",
+           "    state.anchor, state.tokens, state.ms, state.state_survival = None, 0, 0.0, None", "    pass",
+           (PROPERTIES,)),
+    Mutant("F5", "a PD rebootstrap takes the new prefill's label over output D streamed from an approximate state",
+           "tailreplay_sglang/disaggregation.py", "        relayed.emitted_approximate, relayed.exact = True, False",
+           "        pass", ("tests/test_disaggregation.py",)),
     Mutant("commit", "a state read from storage is committed at the hit's last node, not at its own depth",
            "tailreplay_sglang/cache/component.py",
            "        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)",

@@ -910,6 +910,33 @@ def test_a_hit_past_the_exact_budget_takes_the_zero_init_tail(sglang_context):
             assert match_of(req) == expected, f"anchor {anchor_depth}: {match_of(req)} is not within the budget rule"
 
 
+def test_a_request_that_emitted_output_from_an_approximate_state_stays_approximate_when_readmitted(sglang_context):
+    """Review F2 and F6: SGLang re-admits a retracted request by matching its prompt and the output it emitted, after
+    its decoded tokens' KV was dropped and the tree evicted. Here the path is gone, so the re-admission is a miss
+    (exact); the output already sent came from the zero-init tail's approximate state, so the request stays
+    approximate, and the first admission's replay figures do not survive a re-admission that replays nothing."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
+        req = new_request(1, prompt + (2,))
+        req.init_next_round_input(cache)
+        assert match_of(req) == Match(10, None, exact=False) and not peek(req).exact  # no anchor: zero-init tail
+        state = peek(req)
+        state.anchor, state.tokens, state.ms, state.state_survival = None, 4, 1.5, 0.9  # what its replay reported
+        req.output_ids.extend([3, 3])  # decoded from that state, then retracted (SGLang keeps output_ids)
+        cache.evict(EvictParams(num_tokens=10))
+        assert cache.evictable_size() == 0
+        req.init_next_round_input(cache)
+        assert match_of(req) == Match(0, 0, exact=True)  # the re-admission's own match: a miss, exact
+        assert not peek(req).exact, "output decoded from an approximate state relabelled exact"
+        assert (state.tokens, state.ms, state.anchor, state.state_survival) == (0, 0.0, None, None)
+        fresh = new_request(2, prompt + (3,))  # a new request with no output takes its match's label
+        fresh.init_next_round_input(cache)
+        assert peek(fresh).exact
+
+
 def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_state(sglang_context):
     """--tail-replay-fold-tokens: a hit 2 tokens past its anchor (fold 3) is cut back to the anchor, whose state
     the request's own slot holds, and nothing is left to replay; 5 tokens past it (budget 5), it is replayed."""

@@ -86,6 +86,22 @@ def test_the_decode_server_takes_the_label_the_prefill_server_relayed(relayed, e
     assert not hasattr(stale, "tail_replay")
 
 
+def test_a_rebootstrap_after_approximate_output_keeps_the_request_approximate():
+    """Review F5: D sends a request that emitted output back to P (a retraction with rebootstrap); P's recompute may
+    be exact, but what D already streamed came from the first, approximate state."""
+    from types import SimpleNamespace
+
+    buffers = SimpleNamespace(cached_tokens=torch.zeros(1, 16, dtype=torch.int32), bootstrap_room=torch.tensor([[5]]))
+    buffers.cached_tokens[0, disaggregation.FIRST_SLOT:disaggregation.FIRST_SLOT + 6] = torch.tensor(
+        disaggregation.encode(TailReplayReq(exact=True)), dtype=torch.int32)
+    queue, decode_req = SimpleNamespace(metadata_buffers=buffers), SimpleNamespace(metadata_buffer_index=0)
+    for emitted, first_exact, expected in (([4, 4], False, False), ([4, 4], True, True), ([], False, True)):
+        req = SimpleNamespace(bootstrap_room=5, output_ids=emitted, tail_replay=TailReplayReq(exact=first_exact))
+        decode_req.req = req
+        disaggregation.take_relayed(None, None, queue, decode_req)
+        assert req.tail_replay.exact is expected, (emitted, first_exact)
+
+
 def _config(tiny_qwen35, *flags):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path")

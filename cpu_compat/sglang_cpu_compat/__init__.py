@@ -11,6 +11,7 @@ never imports it.
 - `triton_branches`: torch bodies for three CPU branches SGLang sends to Triton;
 - `extend_attention`: suffix-only extend attention for the `torch_native` backend;
 - `threads`: each rank's resolved cores applied with torch;
+- `memory_profile`: the KV pool's budget charged with the loaded weights, not with the machine's RAM drop;
 - `extra_buffer`: what SGLang's GPU-default `extra_buffer` strategy reads from a device;
 - `mamba2`, `kda`: the Mamba2 mixer's and the KDA kernel module's kernel names bound to torch bodies (`ops/`);
 - `mla`: MLA's dispatch on `torch_native`;

@@ -49,6 +49,11 @@ CPU_ENGINE = (
     Hook(f"{_RUNNER}.alloc_memory_pool", "before", f"{_PKG}.extra_buffer:conv_dtype_follows_model",
          "extra_buffer index-puts activations into the conv pool, which must then have the model's dtype (bfloat16 "
          "by default, what GPU models run in; CPU models run in float32 or float16)"),
+    Hook(f"{_SRT}.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes", "around",
+         f"{_PKG}.memory_profile:budget_from_own_load",
+         "the KV budget charges the drop in free memory during the load as weights; on a CPU that is the machine's "
+         "available RAM, so a neighbour starting at the same time counts too and can refuse the start: the drop is "
+         "the loaded model's weights"),
     Hook("torch.Tensor.pin_memory", "call", f"{_PKG}.extra_buffer:pin_memory_is_identity",
          "extra_buffer stages each decode batch's track mask through pinned memory, which a CPU-only torch refuses"),
     Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.track_mamba_states_if_needed", "replace",

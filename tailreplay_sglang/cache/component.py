@@ -49,6 +49,7 @@ from tailreplay_sglang.cache.request import (
     is_exact,
     is_tainted,
     peek,
+    relabel,
     state_of,
 )
 from tailreplay_sglang.layout import SUPPORTED
@@ -145,9 +146,8 @@ class TailReplayMambaComponent(TaintedKVComponent):
             match = Match(m, c, exact=clean)
         else:  # SGLang gives the request a cleared slot at prepare_for_extend
             match = Match(m, None, exact=clean and config.is_exact_fallback(m))
-        state = state_of(req)
-        state.match, state.exact = match, match.exact  # later checkpoints of the request read `exact`
-        state.folded_from = folded_from
+        state = relabel(req, match.exact)  # later checkpoints of the request read `exact`
+        state.match, state.folded_from = match, folded_from
         return fold
 
     def replan_after_load(self, req, node_id, m: int) -> None:

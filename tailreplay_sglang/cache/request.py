@@ -52,6 +52,10 @@ class TailReplayReq:
     # [(depth, mamba slot, its physical id)] of the interval anchors planned for its last prefill forward
     # (`cache/anchors.py`), until they are inserted into the tree or freed.
     interval_anchors: list = field(default_factory=list)
+    # Set once the request is matched again (a retraction's re-admission, a PD rebootstrap) after it emitted output
+    # while its state was approximate: the new match recomputes its decoded tokens, but what it already sent came
+    # from that state, so it stays approximate (review F2, F5).
+    emitted_approximate: bool = False
     # What the replay did for it (`replay.run_pending`), reported once in meta_info (`visibility.py`):
     anchor: int | None = None  # depth of the anchor the replay started from, or None (zero-init tail)
     tokens: int = 0  # tokens replayed
@@ -60,6 +64,17 @@ class TailReplayReq:
     # The hit's length before a fold cut it back to its anchor (`component.plan_hit`), which is what SGLang's storage
     # lookup, matching without the fold, saw (`hierarchy.keep_folded_match`); None when the hit did not fold.
     folded_from: int | None = None
+
+
+def relabel(req, exact: bool) -> TailReplayReq:
+    """Label the request's state at a (re-)admission's match: exact only if the new match is and no output it
+    already emitted came from an approximate state. The previous admission's replay figures go with it (F6)."""
+    state = state_of(req)
+    if getattr(req, "output_ids", None) and not state.exact:
+        state.emitted_approximate = True
+    state.exact = exact and not state.emitted_approximate
+    state.anchor, state.tokens, state.ms, state.state_survival = None, 0, 0.0, None
+    return state
 
 
 def state_of(req) -> TailReplayReq:
