@@ -163,8 +163,8 @@ def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch
         # The stream forwards run on: the runner's forward stream under the overlap scheduler, the scheduler's own
         # stream without it. Host-anchor saves, made while scheduling, go there too (`component.on_forward_stream`).
         runtime.forward_stream = torch.cuda.current_stream()
-    if runtime.store is None:
-        return result
+    if runtime.store is None or getattr(runner, "is_draft_worker", False):
+        return result  # a draft model's forwards replay nothing: its MTP layers keep no recurrent state
     if not forward_batch.forward_mode.is_extend():
         if dp_attention.must_exchange(forward_batch):  # another rank's replay pass: take part (no rows of ours)
             replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending,
@@ -210,7 +210,11 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
         return create_decode_cache(runtime, ctx)
     supported.check_speculative_family(runtime.family, ctx.server_args)
     supported.check_dp_attention_family(runtime.family, ctx.server_args)
+    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_exec
+
+    supported.check_dp_attention_exchange(ctx.server_args, envs.SGLANG_SCHEDULER_SKIP_ALL_GATHER.get(),
+                                          envs.SGLANG_OPT_MASK_DP_PAD_MOE.get())
 
     on_cuda = str(ctx.tp_worker.model_runner.device).startswith("cuda")
     supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config, on_cuda=on_cuda)

@@ -1,6 +1,6 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Eight checks, each raising with a message that names what to change:
+Nine checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
@@ -10,6 +10,8 @@ Eight checks, each raising with a message that names what to change:
   one the interval anchors are read from;
 - `check_speculative_family` (scheduler, same point): speculative decoding only on the families it is tested on;
 - `check_dp_attention_family` (scheduler, same point): attention DP only on the families whose replay is wired for it;
+- `check_dp_attention_exchange` (scheduler, same point): under attention DP, what the replay's row exchange needs
+  (every rank runs a forward each step and agrees whether it extends; the MoE takes the gathered rows as they are);
 - `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
 - `check_anchor_graphs` (scheduler, same point): no prefill graph captures the extend interval anchors are written in;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
@@ -148,6 +150,44 @@ def check_dp_attention_family(family, server_args) -> None:
         raise UnsupportedConfigError(
             f"--enable-dp-attention (attention DP size {attn_dp}) with --enable-tail-replay is supported on GDN "
             f"models (Qwen3.5, Qwen3-Next); this model's recurrent layers are {family.name}")
+
+
+def check_dp_attention_exchange(server_args, skip_all_gather: bool, mask_dp_pad_moe: bool) -> None:
+    """Under attention DP each replay pass exchanges every rank's rows in one all-gather of the TP group, and its
+    feed-forward blocks run over the gathered rows (`dp_attention.py`). Refused, each by name (multi-server review
+    F3, F4), where that pairing or those rows break:
+    - `--dwdp-size` (and `SGLANG_SCHEDULER_SKIP_ALL_GATHER`, which it sets): ranks skip idle forwards and decide
+      alone whether a step extends, so a replaying rank waits forever in the exchange;
+    - the FlashInfer-cutlass FP4 MoE all-gather: the MoE dispatch gathers its input itself, with the outer batch's
+      sizes, not the replay's;
+    - `SGLANG_OPT_MASK_DP_PAD_MOE`: masks MoE rows by the outer batch's padding layout;
+    - speculative decoding: its draft forwards join the exchange, with forward sequences that differ by rank under
+      SGLang's DP prefill coordination; not tested."""
+    dwdp = getattr(server_args, "dwdp_size", 1) or 1
+    if dwdp > 1:  # SGLang sets attention DP from it while it launches (arg_groups/parallel_hook.py)
+        raise UnsupportedConfigError(f"--dwdp-size {dwdp} with --enable-tail-replay is not supported: it runs "
+                                     f"attention DP with ranks that skip forwards, so the replay's row exchange "
+                                     f"would wait for them")
+    attn_dp = getattr(server_args, "attn_dp_size", 1) or 1
+    if attn_dp <= 1:
+        return
+    problems = []
+    if skip_all_gather:
+        problems.append("SGLANG_SCHEDULER_SKIP_ALL_GATHER (whether a step extends is decided per rank, so the "
+                        "replay's row exchange would pair with no peer)")
+    if (getattr(server_args, "quantization", None) == "modelopt_fp4"
+            and getattr(server_args, "moe_runner_backend", "auto") in ("auto", "flashinfer_cutlass")
+            and not getattr(server_args, "disable_flashinfer_cutlass_moe_fp4_allgather", False)):
+        problems.append("the FlashInfer-cutlass FP4 MoE all-gather (it gathers the rows the replay already gathered, "
+                        "with the outer batch's sizes): pass --disable-flashinfer-cutlass-moe-fp4-allgather")
+    if mask_dp_pad_moe:
+        problems.append("SGLANG_OPT_MASK_DP_PAD_MOE (it masks MoE rows by the outer batch's padding)")
+    if getattr(server_args, "speculative_algorithm", None):
+        problems.append(f"--speculative-algorithm {server_args.speculative_algorithm} (draft forwards would join "
+                        f"the replay's row exchange; not tested under attention DP)")
+    if problems:
+        raise UnsupportedConfigError(f"--enable-dp-attention (attention DP size {attn_dp}) with --enable-tail-replay "
+                                     f"does not support " + "; ".join(problems))
 
 
 def check_anchor_prefill(family, backends) -> None:

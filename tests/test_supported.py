@@ -3,6 +3,8 @@ SGLang resolved it (after its own post-processing), and any SGLang release but t
 
 import json
 
+import re
+
 import pytest
 
 from tailreplay_sglang.supported import (DISAGGREGATED, SGLANG_VERSION, SUPPORTED, UnsupportedConfigError,
@@ -328,3 +330,70 @@ def test_stored_states_are_tagged_with_their_layout():
     assert tag.startswith("s-") and tag == state_tag(pool(64, torch.float32))
     assert len({tag, state_tag(pool(8, torch.bfloat16)), state_tag(pool(8, torch.float16)),
                 state_tag(pool(8, torch.float32, torch.bfloat16))}) == 4
+
+
+# ---- what the row exchange needs under attention DP (multi-server review F3, F4) ----
+
+
+@pytest.mark.parametrize("changes, skip_all_gather, mask_pad, refused", [
+    ({}, False, False, None),
+    ({}, True, False, "SGLANG_SCHEDULER_SKIP_ALL_GATHER"),
+    ({"quantization": "modelopt_fp4", "moe_runner_backend": "flashinfer_cutlass"}, False, False,
+     "--disable-flashinfer-cutlass-moe-fp4-allgather"),
+    ({"quantization": "modelopt_fp4", "moe_runner_backend": "flashinfer_cutlass",
+      "disable_flashinfer_cutlass_moe_fp4_allgather": True}, False, False, None),
+    ({}, False, True, "SGLANG_OPT_MASK_DP_PAD_MOE"),
+    ({"speculative_algorithm": "EAGLE"}, False, False, "--speculative-algorithm EAGLE"),
+], ids=["plain", "skip-all-gather", "fp4-all-gather", "fp4-all-gather-off", "mask-dp-pad", "nextn"])
+def test_attention_dp_refuses_what_breaks_the_row_exchange_by_name(changes, skip_all_gather, mask_pad, refused):
+    """Each of these is accepted by SGLang with attention DP and, with Tail-Replay, would hang a replaying rank in
+    the exchange or feed its MoE the wrong rows; without attention DP none of them matters to the replay."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang.supported import check_dp_attention_exchange
+
+    args = SimpleNamespace(**{"attn_dp_size": 2, "dwdp_size": 1, "quantization": None, "moe_runner_backend": "auto",
+                              "disable_flashinfer_cutlass_moe_fp4_allgather": False, "speculative_algorithm": None,
+                              **changes})
+    check_dp_attention_exchange(SimpleNamespace(**{**vars(args), "attn_dp_size": 1}), skip_all_gather, mask_pad)
+    if refused is None:
+        check_dp_attention_exchange(args, skip_all_gather, mask_pad)
+    else:
+        with pytest.raises(UnsupportedConfigError, match=f"--enable-dp-attention .*{re.escape(refused)}"):
+            check_dp_attention_exchange(args, skip_all_gather, mask_pad)
+
+
+def test_a_resolved_dwdp_server_is_refused_under_attention_dp():
+    """`--dwdp-size` as SGLang's ServerArgs holds it: refused whatever attention DP size it shows yet (SGLang sets
+    attention DP and EP from it while it launches)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from tailreplay_sglang.supported import check_dp_attention_exchange
+
+    try:
+        args = ServerArgs(model_path="dummy", tp_size=2, dwdp_size=2, enable_dp_attention=True, dp_size=2)
+    except Exception as e:  # SGLang's own validation of DWDP on this machine
+        pytest.skip(f"SGLang refuses the DWDP configuration itself here: {e}")
+    assert args.dwdp_size == 2
+    with pytest.raises(UnsupportedConfigError, match="--dwdp-size 2 .* ranks that skip forwards"):
+        check_dp_attention_exchange(args, skip_all_gather=False, mask_dp_pad_moe=False)
+
+
+def test_draft_forwards_take_no_part_in_the_replay(monkeypatch):
+    """Review C/F4: the hooked copy-on-write runs for the draft runner too; its forwards replay nothing (the MTP
+    layers keep no recurrent state) and so never enter the row exchange."""
+    from types import SimpleNamespace
+
+    from tailreplay_sglang import lifecycle, replay
+
+    ran = []
+    monkeypatch.setattr(replay, "run_pending", lambda *a, **k: ran.append(a))
+    runtime = SimpleNamespace(store=object(), staged_anchors=SimpleNamespace(restore_host=lambda *a: ran.append(a)),
+                              interval_anchors=None, host_anchors=None, family=None, pending=None, config=None,
+                              metrics=None)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True))
+    draft = SimpleNamespace(device="cpu", is_draft_worker=True, req_to_token_pool=None)
+    assert lifecycle.replay_after_clear(runtime, "result", draft, batch) == "result" and ran == []
+    target = SimpleNamespace(device="cpu", is_draft_worker=False, req_to_token_pool=None)
+    lifecycle.replay_after_clear(runtime, "result", target, batch)
+    assert len(ran) == 2  # the target's host restores and its replay pass
