@@ -153,6 +153,11 @@ def anchored_qwen35_server(server_registry, tiny_qwen35):
     yield from server_registry.serve("anchored_qwen35_server", Spec(tiny_qwen35, ANCHORED_FLAGS, kwargs=BIG_POOL))
 
 
+# pytest-timeout's limits, set-up included: the slowest server module set-up measured on the 2-core CI machine took
+# 204 s with the machine loaded (tests/README.md, Durations), so these leave room for a slow run and fail a hang
+SERVER_TEST_TIMEOUT_S, TEST_TIMEOUT_S = 900, 600
+
+
 def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # `pytest -n N` (make test): this worker's cores, threads and ports (tests/parallel.py)
@@ -170,6 +175,10 @@ def pytest_collection_modifyitems(config, items):
     last test (after -k, -m and friends deselected theirs) that needs it."""
     parallel.order_heaviest_first(items)
     parallel.check_shared_server_modules(items, SHARED_SERVERS)
+    for item in items:  # a hang (a collective that never pairs) fails its own test instead of the whole run
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SERVER_TEST_TIMEOUT_S if item.get_closest_marker("server")
+                                                else TEST_TIMEOUT_S))
     last = {}
     for item in items:
         for name in SHARED_SERVERS:

@@ -198,3 +198,14 @@ def test_every_mutant_in_the_table_still_applies():
         sys.path.remove(str(ROOT / "tests"))
     counts = {m.name: (ROOT / m.path).read_text().count(m.old) for m in mutants.MUTANTS}
     assert {name: n for name, n in counts.items() if n != 1} == {}
+
+
+def test_every_test_has_a_time_limit(request):
+    """A hang (a collective that never pairs) fails its own test through pytest-timeout, pinned in the lock: every
+    collected test carries a limit, server tests a longer one (conftest.py)."""
+    from tests.conftest import TEST_TIMEOUT_S
+
+    assert request.config.pluginmanager.hasplugin("timeout")
+    assert "pytest-timeout==" in (ROOT / "requirements" / "cpu.lock").read_text()
+    marker = request.node.get_closest_marker("timeout")
+    assert marker is not None and marker.args == (TEST_TIMEOUT_S,)
