@@ -5,9 +5,11 @@ the `file` and Mooncake backends do (in order, stopping once no stop point is le
 tests/test_mooncake_store.py."""
 
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 from tailreplay_sglang.cache.storage_anchors import (STATE_ASK, StateAsk, drop_unneeded_state, exact_pages,
@@ -76,7 +78,8 @@ def prefetch(free: int, start: int = 0):
     state = PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
     setattr(state, STATE_ASK, StateAsk(free, start, 1, lambda m: 512))
     hidden = PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)
-    return state, SimpleNamespace(pool_transfers=[state, hidden], all_hash_values=[f"h{i}" for i in range(1, 1001)])
+    return state, SimpleNamespace(pool_transfers=[state, hidden], all_hash_values=[f"h{i}" for i in range(1, 1001)],
+                                  token_ids=list(range(1000)))
 
 
 def deepest(controller, operation, storage_hit_count):
@@ -91,7 +94,7 @@ def trailing(controller, transfers, all_hashes, kv_hit_pages):
         transfer.keys = all_hashes[kv_hit_pages - 1:kv_hit_pages]
 
 
-CONTROLLER = SimpleNamespace(page_size=1)
+CONTROLLER = SimpleNamespace(page_size=1, _all_reduce=lambda tensor, op, groups: None, prefetch_hits_sync_groups=[])
 
 
 @pytest.mark.parametrize("kv, hidden, states, end, state", [
@@ -128,7 +131,8 @@ def test_a_rank_that_cut_the_hit_shorter_reads_the_state_at_its_end_if_stored():
 
 def test_a_prefetch_without_tail_replays_state_transfer_is_left_as_it_is():
     hidden = PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)
-    operation = SimpleNamespace(pool_transfers=[hidden], all_hash_values=[f"h{i}" for i in range(1, 1001)])
+    operation = SimpleNamespace(pool_transfers=[hidden], all_hash_values=[f"h{i}" for i in range(1, 1001)],
+                                token_ids=list(range(1000)))
     assert widen_stop_points(hit_query(600, 600, set()), CONTROLLER, operation)[1] == 600
     assert operation.pool_storage_result.restorable_prefix_pages == list(range(1, 601))
     assert drop_unneeded_state(deepest, CONTROLLER, operation, 600) == 600 and operation.pool_transfers == [hidden]
@@ -156,3 +160,47 @@ def test_a_hit_folded_to_its_anchor_is_not_queried_again():
     assert keep_folded_match(original, None, folded) is False and folded.storage_prefetch_last_match_len == 3584
     assert keep_folded_match(original, None, evicted) is True  # it lost KV beyond what the fold explains
     assert keep_folded_match(original, None, unfolded) is True and calls == ["evicted", "unfolded"]
+
+
+class _TwoRanks:
+    """Two TP ranks on threads, whose `_all_reduce` is a MIN over both (SGLang's prefetch sync groups)."""
+
+    def __init__(self):
+        self.barrier, self.seen = threading.Barrier(2, timeout=10), [None, None]
+
+    def controller(self, rank: int):
+        def all_reduce(tensor, op, groups):
+            assert op == torch.distributed.ReduceOp.MIN and groups
+            self.seen[rank] = tensor.clone()
+            self.barrier.wait()
+            torch.minimum(self.seen[0], self.seen[1], out=tensor)
+            self.barrier.wait()
+        return SimpleNamespace(page_size=1, _all_reduce=all_reduce, prefetch_hits_sync_groups=["tp"])
+
+
+@pytest.mark.parametrize("stores", [
+    ((700, {512, 640}), (700, {512})),  # rank 1's state at 640 evicted by its own file LRU, or not written yet
+    ((700, {512}), (650, {512})),  # rank 1 holds 50 pages fewer: stock's agreement alone makes rank 0 drop the state
+    ((700, {640}), (700, set())),  # only rank 0 has a state: neither reads one
+])
+def test_tp_ranks_with_different_stores_plan_the_same_hit(stores):
+    """Multi-server review F1: each TP rank's store is its own, yet every rank must commit the same state at the same
+    depth (or none), or their trees diverge and their collectives pair wrongly. Driven through SGLang's own
+    `_sync_prefetch_hit_query` on two ranks."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    ranks, outcome = _TwoRanks(), [None, None]
+
+    def rank(i):
+        (kv, states), controller = stores[i], ranks.controller(i)
+        transfer, operation = prefetch(free=512)
+        _, stored = widen_stop_points(hit_query(kv, kv, states), controller, operation)
+        hit = drop_unneeded_state(HybridCacheController._sync_prefetch_hit_query, controller, operation, stored)
+        outcome[i] = (hit, transfer in operation.pool_transfers, state_depth(transfer))
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert outcome[0] is not None and outcome[0] == outcome[1], outcome

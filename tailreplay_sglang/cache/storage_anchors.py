@@ -25,11 +25,19 @@ plans the hit (`widen_stop_points`, `StateAsk.plan`):
   budget's worth unread (exact);
 - else all of them, approximate, as a local hit with no anchor in reach is.
 A hit that reads no state drops the transfer before its slot is staged (`drop_unneeded_state`).
+
+Under TP (attention TP > 1) every rank has its own store objects (per-rank keys, per-rank `file` evictors, states
+written a step after their pages), so the ranks' stores legitimately differ. SGLang's ranks agree on the hit's
+length, but a plan made from one rank's store could read another state, or drop the state transfer, where a peer
+does not: trees that diverge and collectives that pair wrongly (multi-server review F1). So the ranks first agree
+on the plan's inputs, the pages stored and which of them have a state, with one MIN over SGLang's prefetch sync
+groups (`agree_on_plan`), and every rank plans from the same inputs.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
 STATE_ASK = "tail_replay_state_ask"  # a `StateAsk` on a prefetch's MAMBA transfer: what its hit query needs
@@ -84,6 +92,7 @@ class StatePlan:
     end: int
     state: int | None
     with_state: set[int]
+    stored: int  # pages of the span this rank's store has (KV and hidden rows), before the ranks agree
     hash_values: list[str]  # the span's page hashes
     depth: int | None = None  # the state's depth in the tree, once the hit is agreed on
 
@@ -124,17 +133,41 @@ def widen_stop_points(original, controller, operation):
             stored = min(stored, found.get(other.name, 0))
     with_state = {p for p in result.restorable_prefix_pages if p <= stored}
     end, state = getattr(transfer, STATE_ASK).plan(stored, with_state) if stored else (0, None)
-    setattr(transfer, STATE_PLAN, StatePlan(end, state, with_state, list(operation.all_hash_values)))
+    setattr(transfer, STATE_PLAN, StatePlan(end, state, with_state, stored, list(operation.all_hash_values)))
     result.restorable_prefix_pages = sorted(with_state.union(range(1, end + 1)))
     return operation.all_hash_values[:stored], stored * controller.page_size
 
 
+def agree_on_plan(controller, operation, transfer, storage_hit_count: int) -> int:
+    """Every rank of the prefetch's sync groups plans from the same inputs: the pages all of them have stored (up to
+    the hit each would take after its own caps: host room, threshold, a failed query, 0) and those of them whose
+    state all of them have. One MIN of a tensor shaped by the request's span, the same on every rank whether its
+    query ran or not, as SGLang's own `_sync_prefetch_hit_query`. Returns this rank's hit count for that sync."""
+    page = controller.page_size
+    span = len(operation.token_ids) // page
+    plan = getattr(transfer, STATE_PLAN, None)
+    local = torch.zeros(span + 1, dtype=torch.int)
+    if plan is not None:
+        local[0] = min(plan.stored, storage_hit_count // page)
+        local[[p for p in plan.with_state if p <= span]] = 1
+    controller._all_reduce(local, torch.distributed.ReduceOp.MIN, controller.prefetch_hits_sync_groups)
+    if plan is None:
+        return storage_hit_count
+    stored = int(local[0])
+    plan.with_state = {p for p in range(1, stored + 1) if local[p]}
+    plan.end, plan.state = getattr(transfer, STATE_ASK).plan(stored, plan.with_state) if stored else (0, None)
+    operation.pool_storage_result.restorable_prefix_pages = sorted(plan.with_state.union(range(1, plan.end + 1)))
+    return min(storage_hit_count, stored * page)
+
+
 def drop_unneeded_state(original, controller, operation, storage_hit_count: int) -> int:
-    """Around `_sync_prefetch_hit_query`: the hit agreed on reads the planned state (another rank may have cut it
-    shorter: then the state at its last page, if stored); a hit that reads none drops the state transfer before any
-    host slot is staged for it."""
-    hit = original(controller, operation, storage_hit_count)
+    """Around `_sync_prefetch_hit_query`: once the ranks agree on the plan's inputs (`agree_on_plan`), the hit agreed
+    on reads the planned state (a rank may have cut it shorter: then the state at its last page, if stored); a hit
+    that reads none drops the state transfer before any host slot is staged for it."""
     transfer = _state_transfer(operation)
+    if transfer is not None:
+        storage_hit_count = agree_on_plan(controller, operation, transfer, storage_hit_count)
+    hit = original(controller, operation, storage_hit_count)
     plan = getattr(transfer, STATE_PLAN, None)
     if plan is None:
         return hit
