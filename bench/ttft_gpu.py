@@ -402,6 +402,7 @@ def main(argv=None) -> int:
         sys.exit("fla-core is not importable: transformers would prefill with its reference torch GDN, an order of "
                  "magnitude slower than a real baseline; install the fla-core wheel")
     model = build_model(args.preset, device, dtype)
+    model.config.architectures = model.config.architectures or [type(model).__name__]  # as a saved checkpoint's
     layout = HybridLayout.from_hf_config(model.config)
     params = sum(p.numel() for p in model.parameters())
     print(f"{device_name(device)}: model {params / 1e6:,.1f}M parameters, {len(layout.groups)} groups, {args.dtype}, "

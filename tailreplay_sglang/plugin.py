@@ -204,8 +204,8 @@ def hand_off(cfg: TailReplayConfig, args) -> dict:
         fields["linear_attn_prefill_backend"] = ANCHOR_PREFILL_BACKEND
         logger.info("Tail-Replay: --linear-attn-prefill-backend %s (interval anchors are read from its per-chunk "
                     "states; SGLang's FlashInfer GDN/KDA prefill on SM90/SM100 returns none)", ANCHOR_PREFILL_BACKEND)
-    if getattr(args, "enable_hierarchical_cache", False) and getattr(args, "hicache_storage_backend", None) == \
-            "mooncake":
+    if getattr(args, "enable_hierarchical_cache", False) and getattr(args, "hicache_storage_backend", None) in \
+            ("mooncake", "file"):
         from tailreplay_sglang.cache.storage_key import storage_tag, with_storage_tag
 
         tag = storage_tag(args, cfg.hidden_dtype)

@@ -169,3 +169,40 @@ def test_no_load_back_writes_a_mamba_state():
 
     self = SimpleNamespace(component_type="mamba")
     assert TailReplayMambaComponent.build_hicache_transfers(self, None, CacheTransferPhase.LOAD_BACK) is None
+
+
+def test_a_state_write_waits_for_its_copy_without_stalling_the_scheduler(monkeypatch):
+    """Review D: a state's storage write waits for the event after its host copy. `synchronize()` on it blocked the
+    scheduler behind whatever forward was queued before it; now a write whose copy is still running stays queued
+    for a later step."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
+
+    monkeypatch.setattr(UnifiedRadixCache, "check_hicache_events", lambda self: None)
+    done, written = {"copied": False}, []
+    node = SimpleNamespace(id=4, backuped=True, component_data={ComponentType.MAMBA: SimpleNamespace(host_value=1)})
+    event = SimpleNamespace(query=lambda: done["copied"],
+                            synchronize=lambda: (_ for _ in ()).throw(AssertionError("the scheduler blocked")))
+    cache = object.__new__(TailReplayRadixCache)
+    cache._state_backups, cache._state_writes = [], [(node, event)]
+    cache.tree_core = SimpleNamespace(node_by_id=lambda node_id: node)
+    cache.write_backup_storage = written.append
+    cache.check_hicache_events()
+    assert written == [] and cache._state_writes == [(node, event)]
+    done["copied"] = True
+    cache.check_hicache_events()
+    assert written == [4] and cache._state_writes == []
+
+
+def test_an_empty_transfer_never_reaches_the_kernel():
+    """Review I: sgl-kernel's launcher divides by the number of items; an empty index list copies nothing."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool
+
+    def kernel(**kwargs):
+        raise AssertionError("the kernel was called with no rows")
+
+    store = SimpleNamespace(hiddens=[torch.zeros(4, 8)], token_ids=torch.zeros(4, 1, dtype=torch.int64))
+    empty = torch.empty(0, dtype=torch.int64)
+    HiddenHostPool._copy_rows(SimpleNamespace(kernel_copy=kernel), store, store, empty, empty, "kernel")

@@ -308,8 +308,38 @@ def test_mooncake_pages_are_tagged_with_what_they_hold(tiny_qwen35, tiny_qwen3ne
         got = _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32",
                               "--hicache-storage-backend-extra-config", given)
         assert got == {**user, "extra_backend_tag": f"team_{tag}"}
-    assert _storage_config(tiny_qwen35, "--enable-hierarchical-cache", "--hicache-storage-backend", "file") == {}
+    file_tag = _storage_config(tiny_qwen35, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                               "--dtype", "float32")  # `file` keys ignore it: the folder is claimed with it
+    assert file_tag == {"extra_backend_tag": tag}
     assert _storage_config(tiny_qwen35) == {}
+
+
+def test_the_tag_names_the_weights_not_only_the_config(tiny_qwen35, tmp_path):
+    """Review F7: a fine-tune served with its base's config gets pages of its own."""
+    import shutil
+
+    tune = tmp_path / "tune"
+    shutil.copytree(tiny_qwen35, tune)
+    weights = next(tune.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(8) if data[-8:] != bytes(8) else b"\x01" * 8  # other values in the last tensor
+    weights.write_bytes(bytes(data))
+    base = _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32")["extra_backend_tag"]
+    assert _storage_config(tune, *MOONCAKE_L3, "--dtype", "float32")["extra_backend_tag"] != base
+
+
+def test_a_file_folder_is_claimed_by_the_first_tag_and_refused_to_another(tmp_path):
+    """Review F7: the `file` backend keys its files by model path only, so a server whose pages hold another layout
+    is refused at start-up, naming the folder; servers of one tag share it."""
+    from tailreplay_sglang.cache.storage_key import StorageFolderTagError, claim_file_folder
+
+    folder = tmp_path / "l3"
+    claim_file_folder(folder, "tr1-aaa_s-1")
+    claim_file_folder(folder, "tr1-aaa_s-1")  # a second server (or TP rank) of the same tag
+    with pytest.raises(StorageFolderTagError, match=f"{folder} holds pages tagged tr1-aaa_s-1, this server's are "
+                                                    f"tr1-aaa_s-2"):
+        claim_file_folder(folder, "tr1-aaa_s-2")
+    assert [p.name for p in folder.iterdir()] == ["tail_replay_storage_tag"]  # no staged file left behind
 
 
 def test_stored_states_are_tagged_with_their_layout():
@@ -397,3 +427,31 @@ def test_draft_forwards_take_no_part_in_the_replay(monkeypatch):
     target = SimpleNamespace(device="cpu", is_draft_worker=False, req_to_token_pool=None)
     lifecycle.replay_after_clear(runtime, "result", target, batch)
     assert len(ran) == 2  # the target's host restores and its replay pass
+
+
+def test_a_hicache_scheduler_claims_its_file_folder_with_its_state_layout(tmp_path, monkeypatch):
+    """The scheduler's side of F7 (`TailReplayRadixCache._tag_state_layout`): the launcher's tag plus its states'
+    layout claims the `file` folder; a server whose states are laid out otherwise is refused there."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as runtime_context
+    import torch
+
+    from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
+    from tailreplay_sglang.cache.storage_key import StorageFolderTagError
+
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    extra = json.dumps({"file_storage_path": str(tmp_path / "l3"), "extra_backend_tag": "tr1-abc"})
+    monkeypatch.setattr(runtime_context, "get_memory", lambda: SimpleNamespace(
+        hicache_storage_backend="file", hicache_storage_backend_extra_config=extra))
+
+    def scheduler(conv_dtype):
+        cache = SimpleNamespace(conv=[torch.zeros(3, 4, 96, 3, dtype=conv_dtype)], temporal=torch.zeros(3, 4, 2, 2))
+        params = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=SimpleNamespace(mamba_cache=cache)))
+        return SimpleNamespace(runtime=SimpleNamespace(store=object())), params
+
+    TailReplayRadixCache._tag_state_layout(*scheduler(torch.float32))
+    assert (tmp_path / "l3" / "tail_replay_storage_tag").read_text().startswith("tr1-abc_s-")
+    TailReplayRadixCache._tag_state_layout(*scheduler(torch.float32))
+    with pytest.raises(StorageFolderTagError, match="holds pages tagged tr1-abc_s-"):
+        TailReplayRadixCache._tag_state_layout(*scheduler(torch.bfloat16))

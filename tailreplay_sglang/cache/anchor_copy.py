@@ -133,7 +133,8 @@ def copy_without_load_wait(original, pool, src_index, dst_index) -> None:
     hit's source can be a state loading back in this batch. Ours are device anchors, which no load-back writes (the
     MAMBA component builds no LOAD_BACK transfer: a host anchor is restored by `restore_host`, in the forward), so the
     wait only held an anchored hit's replay until nearly all its KV had paged back (GPU path review N5); without it
-    the replay waits for the first layer's load only (`replay.wait_for_loaded_rows`) and overlaps the rest."""
+    the replay starts after the first layer's load (`replay.wait_for_loaded_rows`), each layer's after its own, and
+    overlaps the later layers' loads."""
     if src_index.numel() == 0 or pool.layer_transfer_counter is None:
         return original(pool, src_index, dst_index)
     pool.mamba_pool.copy_from(src_index, dst_index)

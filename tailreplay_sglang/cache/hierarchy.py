@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from tailreplay_sglang.cache.request import is_tainted, peek
-from tailreplay_sglang.cache.storage_key import state_tag, with_storage_tag
+from tailreplay_sglang.cache.storage_key import claim_file_folder, file_folder, state_tag, with_storage_tag
 from tailreplay_sglang.store.hicache_pool import HiddenHostPool
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,19 @@ class TailReplayRadixCache(UnifiedRadixCache):
                     host_pool.nbytes / 2**20)
 
     def _tag_state_layout(self, params) -> None:
-        """Mooncake: the launcher's page tag (`storage_key.storage_tag`) extended by the layout of this server's
-        states (`storage_key.state_tag`), known only here, before HiCache reads the extra config."""
+        """The launcher's page tag (`storage_key.storage_tag`) extended by the layout of this server's states
+        (`storage_key.state_tag`), known only here: Mooncake's before HiCache reads the extra config; a `file`
+        folder claimed for it (`storage_key.claim_file_folder`), the start-up refused where another tag holds it."""
         from sglang.srt.runtime_context import get_memory
 
         memory = get_memory()
-        if memory.hicache_storage_backend != "mooncake" or self.runtime.store is None:
+        if memory.hicache_storage_backend not in ("mooncake", "file") or self.runtime.store is None:
             return
         tag = state_tag(params.req_to_token_pool.mamba_pool.mamba_cache)
+        if memory.hicache_storage_backend == "file":
+            extra = memory.hicache_storage_backend_extra_config
+            claim_file_folder(file_folder(extra), json.loads(with_storage_tag(extra, tag))["extra_backend_tag"])
+            return
         # the scheduler's own copy of the flags, read-only to SGLang's code: this is the one write before any read
         memory._set("hicache_storage_backend_extra_config",
                     with_storage_tag(memory.hicache_storage_backend_extra_config, tag))
@@ -136,8 +141,9 @@ class TailReplayRadixCache(UnifiedRadixCache):
                 self._execute_and_commit_kv_backup(BackupKV(node_ids=[node.id]))
         writes, self._state_writes = self._state_writes, []
         for node, copied in writes:
-            if copied is not None:
-                copied.synchronize()  # a step later: done
+            if copied is not None and not copied.query():  # behind a forward still running: at a later step
+                self._state_writes.append((node, copied))  # (a wait here would stall scheduling; review D)
+                continue
             state = node.component_data[ComponentType.MAMBA]
             if self._in_tree(node) and node.backuped and state.host_value is not None:
                 self.write_backup_storage(node.id)  # its KV and hidden pages again, which the backends skip

@@ -1,4 +1,5 @@
-"""The namespace of a Tail-Replay server's pages in a shared L3 store (`--hicache-storage-backend mooncake`).
+"""The namespace of a Tail-Replay server's pages in a shared L3 store (`--hicache-storage-backend mooncake` or
+`file`).
 
 SGLang's Mooncake backend names a page by its prefix hash behind a prefix of `extra_backend_tag` and the model name
 (`--model-path`, '/' -> '-'). Two servers of one model path with another checkpoint (config), `--dtype`,
@@ -11,10 +12,18 @@ model's dtype under extra_buffer; the SSM dtype follows `--mamba-ssm-dtype`): th
 mamba pool before HiCache reads the config (`TailReplayRadixCache.init_hicache`), so a server reads no state of
 another layout (a state of another size fails the read and loses the whole prefetch; one of the same size but
 another dtype would be read as exact).
+
+The checkpoint is named by its config and its weights' identity (`weights_identity`: each weight file's name, size
+and the hash of its first and last MiB), so a fine-tune served under its base's path and config gets pages of its
+own. The `file` backend keys its files by the model path alone and ignores tags, so a `file` folder is claimed
+instead: the first server writes its tag into the folder (`claim_file_folder`), and a server with another tag is
+refused at start-up, naming the folder (multi-server review F7).
 """
 
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 
 FORMAT = 1  # bump when the bytes of a hidden page change (store/hicache_pool.py)
@@ -24,11 +33,72 @@ def storage_tag(args, hidden_dtype: str) -> str:
     """'tr<FORMAT>-<hash>' of the checkpoint's config and the dtypes of the pages this server writes."""
     config = Path(args.model_path, "config.json")
     what = {"format": FORMAT, "config": config.read_text() if config.is_file() else str(args.model_path),
+            "weights": weights_identity(Path(args.model_path)),
             "revision": getattr(args, "revision", None), "dtype": getattr(args, "dtype", None),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", None), "hidden_dtype": hidden_dtype,
             "page_size": getattr(args, "page_size", None)}
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     return f"tr{FORMAT}-{digest}"
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+EDGE_BYTES = 1 << 20
+
+
+def weights_identity(model_path: Path) -> list:
+    """(name, size, sha256 of the first and last MiB) of each weight file of a local checkpoint; [] for a hub name.
+    Cheap (2 MiB read per file) and different for a fine-tune of the same shapes, whose config may be its base's."""
+    if not model_path.is_dir():
+        return []
+    identity = []
+    for path in sorted(p for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            digest.update(f.read(EDGE_BYTES))
+            f.seek(max(0, size - EDGE_BYTES))
+            digest.update(f.read(EDGE_BYTES))
+        identity.append((path.name, size, digest.hexdigest()[:16]))
+    return identity
+
+
+TAG_FILE = "tail_replay_storage_tag"
+
+
+class StorageFolderTagError(ValueError):
+    """A `file` L3 folder holds pages of another checkpoint, dtype or state layout."""
+
+
+def claim_file_folder(folder: str | Path, tag: str) -> None:
+    """The `file` backend's folder is this tag's: written atomically by the first server (a link that fails if the
+    file exists), checked by every later one."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target, staged = folder / TAG_FILE, folder / f".{TAG_FILE}.{uuid.uuid4().hex}"
+    staged.write_text(tag)
+    try:
+        os.link(staged, target)
+    except FileExistsError:
+        pass
+    finally:
+        staged.unlink()
+    found = target.read_text()
+    if found != tag:
+        raise StorageFolderTagError(
+            f"--hicache-storage-backend file: {folder} holds pages tagged {found}, this server's are {tag} (another "
+            f"checkpoint, --dtype, --kv-cache-dtype, --tail-replay-hidden-dtype, page size or state layout): their "
+            f"KV, hidden rows and states would be read as this server's. Give this server its own folder "
+            f"(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, or file_storage_path in "
+            f"--hicache-storage-backend-extra-config)")
+
+
+def file_folder(extra_config: str | None) -> str:
+    """The folder SGLang's `file` backend writes to (`HiCacheFile`): its environment variable, else the extra
+    config's `file_storage_path`, else its default."""
+    from sglang.srt.environ import envs
+
+    return (envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get() or _load(extra_config).get("file_storage_path")
+            or "/tmp/hicache")
 
 
 def state_tag(mamba_cache) -> str:

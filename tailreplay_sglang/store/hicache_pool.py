@@ -76,6 +76,8 @@ class HiddenHostPool:
     def _copy_rows(self, src, dst, src_indices, dst_indices, io_backend) -> None:
         """`dst`'s rows and token ids at `dst_indices` = `src`'s at `src_indices` (the store or this pool each)."""
         tables = [*zip(src.hiddens, dst.hiddens), (src.token_ids, dst.token_ids)]  # one [slots, row] table a group
+        if src_indices.numel() == 0:  # sgl-kernel's launcher would divide by zero items (review I)
+            return
         if io_backend == "kernel" and self.kernel_copy is not None:
             for s, d in tables:
                 self.kernel_copy(src=s, dst=d, src_indices=src_indices, dst_indices=dst_indices,
