@@ -269,7 +269,7 @@ def test_float8_rows_decode_within_e4m3_rounding_of_what_was_written(magnitude):
     from tailreplay_sglang.store.hidden_store import bytes_per_token
 
     store = HiddenStore(LAYOUT, 8, torch.float8_e4m3fn, DEVICE, "device")
-    assert store.hiddens.dtype == torch.uint8 and bytes_per_token(LAYOUT, torch.float8_e4m3fn) == 2 * (16 + 4) + 8
+    assert store.hiddens.dtype == torch.uint8 and bytes_per_token(LAYOUT, torch.float8_e4m3fn) == 2 * (16 + 8) + 8
     g = torch.Generator().manual_seed(0)
     values = torch.randn(3, 16, generator=g, dtype=torch.float64) * torch.tensor([[magnitude], [1.0], [1e-3]])
     slots = torch.tensor([1, 2, 3], device=DEVICE)
@@ -349,22 +349,31 @@ def test_hicache_host_pool_kernel_backend_moves_rows_without_reading_on_the_host
     assert torch.equal(store.read_tokens(fresh), store.read_tokens(dev)) and store.read_tokens(dev).any()
 
 
-def test_hicache_host_pool_rows_the_kernel_cannot_move_go_through_torch():
-    """float8 rows carry a 4-byte scale (2 x 16 + 4 = 36 bytes here): not a whole number of the kernel's 8-byte
-    words, so the twin copies them with torch even on the kernel backend, and they still round-trip."""
+@pytest.mark.parametrize("hidden, kernel", [(16, True), (12, False)])
+def test_hicache_host_pool_moves_float8_rows_with_the_kernel_where_they_are_whole_words(hidden, kernel):
+    """float8 rows carry their 4-byte scale in an 8-byte slot: with a hidden size that is a multiple of 8 (every
+    published model's) a row is whole 8-byte words and goes through the kernel on its backend (review F: with a
+    4-byte slot it fell back to torch and its blocking index copies); otherwise (12 + 8 = 20 bytes here) torch moves
+    it. Either way it round-trips."""
+    import dataclasses
+
     from tailreplay_sglang.store.hicache_pool import HiddenHostPool
 
-    store = HiddenStore(LAYOUT, 64, torch.float8_e4m3fn, DEVICE)
-    _fill(store, seed=9)
+    layout = dataclasses.replace(LAYOUT, hidden_size=hidden)
+    store = HiddenStore(layout, 64, torch.float8_e4m3fn, DEVICE)
+    store.hiddens.copy_(torch.randint(0, 255, store.hiddens.shape, dtype=torch.uint8))
     called = []
-    pool = HiddenHostPool(store, size=32, page_size=1, kernel_copy=lambda **kw: called.append(kw))
+
+    def stand_in(**kw):
+        called.append(kw["item_size"])
+        _indexed_copy_contract(**kw)
+
+    pool = HiddenHostPool(store, size=32, page_size=1, kernel_copy=stand_in)
     dev, host, fresh = (torch.arange(a, a + 12, device=DEVICE) for a in (8, 16, 40))
     pool.backup_from_device_all_layer_physical(store, host, dev, "kernel")
     pool.load_to_device_per_layer_physical(store, host, fresh, 0, "kernel")
-    assert called == []
-    for layer in (4, 8):
-        assert torch.equal(store.read_hidden(layer, fresh).view(torch.uint8), store.read_hidden(layer, dev)
-                           .view(torch.uint8))
+    assert set(called) == ({hidden + 8, 8} if kernel else set())  # each group's rows, and the token ids
+    assert torch.equal(store.hiddens[:, fresh], store.hiddens[:, dev])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,7 +105,7 @@ def test_every_server_is_a_client_of_the_store(servers, master):
         assert info["enable_hierarchical_cache"] is True and info["hicache_storage_backend"] == "mooncake"
     tags = {name: storage_tag(srv) for name, srv in servers.items()}
     assert tags["stock_a"] is None and tags["stock_b"] is None, tags
-    assert tags["tr_a"] == tags["tr_b"] == tags["tr_c"] and tags["tr_a"].startswith("tr1-"), tags
+    assert tags["tr_a"] == tags["tr_b"] == tags["tr_c"] and tags["tr_a"].startswith("tr2-"), tags
 
 
 def test_stock_servers_share_a_prefix_through_the_store(servers, master):

@@ -296,7 +296,7 @@ def test_mooncake_pages_are_tagged_with_what_they_hold(tiny_qwen35, tiny_qwen3ne
     same = _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32")
     assert same == _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32")
     tag = same["extra_backend_tag"]
-    assert tag.startswith("tr1-")
+    assert tag.startswith("tr2-")
     assert _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "bfloat16")["extra_backend_tag"] != tag
     assert _storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32", "--tail-replay-hidden-dtype",
                            "bfloat16")["extra_backend_tag"] != tag
@@ -334,11 +334,11 @@ def test_a_file_folder_is_claimed_by_the_first_tag_and_refused_to_another(tmp_pa
     from tailreplay_sglang.cache.storage_key import StorageFolderTagError, claim_file_folder
 
     folder = tmp_path / "l3"
-    claim_file_folder(folder, "tr1-aaa_s-1")
-    claim_file_folder(folder, "tr1-aaa_s-1")  # a second server (or TP rank) of the same tag
-    with pytest.raises(StorageFolderTagError, match=f"{folder} holds pages tagged tr1-aaa_s-1, this server's are "
-                                                    f"tr1-aaa_s-2"):
-        claim_file_folder(folder, "tr1-aaa_s-2")
+    claim_file_folder(folder, "tr2-aaa_s-1")
+    claim_file_folder(folder, "tr2-aaa_s-1")  # a second server (or TP rank) of the same tag
+    with pytest.raises(StorageFolderTagError, match=f"{folder} holds pages tagged tr2-aaa_s-1, this server's are "
+                                                    f"tr2-aaa_s-2"):
+        claim_file_folder(folder, "tr2-aaa_s-2")
     assert [p.name for p in folder.iterdir()] == ["tail_replay_storage_tag"]  # no staged file left behind
 
 
@@ -441,7 +441,7 @@ def test_a_hicache_scheduler_claims_its_file_folder_with_its_state_layout(tmp_pa
     from tailreplay_sglang.cache.storage_key import StorageFolderTagError
 
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
-    extra = json.dumps({"file_storage_path": str(tmp_path / "l3"), "extra_backend_tag": "tr1-abc"})
+    extra = json.dumps({"file_storage_path": str(tmp_path / "l3"), "extra_backend_tag": "tr2-abc"})
     monkeypatch.setattr(runtime_context, "get_memory", lambda: SimpleNamespace(
         hicache_storage_backend="file", hicache_storage_backend_extra_config=extra))
 
@@ -451,7 +451,7 @@ def test_a_hicache_scheduler_claims_its_file_folder_with_its_state_layout(tmp_pa
         return SimpleNamespace(runtime=SimpleNamespace(store=object())), params
 
     TailReplayRadixCache._tag_state_layout(*scheduler(torch.float32))
-    assert (tmp_path / "l3" / "tail_replay_storage_tag").read_text().startswith("tr1-abc_s-")
+    assert (tmp_path / "l3" / "tail_replay_storage_tag").read_text().startswith("tr2-abc_s-")
     TailReplayRadixCache._tag_state_layout(*scheduler(torch.float32))
-    with pytest.raises(StorageFolderTagError, match="holds pages tagged tr1-abc_s-"):
+    with pytest.raises(StorageFolderTagError, match="holds pages tagged tr2-abc_s-"):
         TailReplayRadixCache._tag_state_layout(*scheduler(torch.bfloat16))

@@ -26,11 +26,11 @@ import os
 import uuid
 from pathlib import Path
 
-FORMAT = 1  # bump when the bytes of a hidden page change (store/hicache_pool.py)
+FORMAT = 2  # bump when the bytes of a hidden page change (store/hicache_pool.py; 2: float8 rows' 8-byte scale slot)
 
 
 def storage_tag(args, hidden_dtype: str) -> str:
-    """'tr<FORMAT>-<hash>' of the checkpoint's config and the dtypes of the pages this server writes."""
+    """'tr<FORMAT>-<hash>' of the checkpoint (config, weights) and the dtypes of the pages this server writes."""
     config = Path(args.model_path, "config.json")
     what = {"format": FORMAT, "config": config.read_text() if config.is_file() else str(args.model_path),
             "weights": weights_identity(Path(args.model_path)),

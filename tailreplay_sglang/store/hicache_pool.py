@@ -34,8 +34,8 @@ class HiddenHostPool:
         # the kernel addresses host rows through their device mapping: only pinned rows of a device-tier store
         if kernel_copy is None and pin_memory and store.hiddens.is_cuda:
             kernel_copy = sglang_indexed_copy()
-        # it moves a row as 8-byte words: a row of another size (float8 rows carry a 4-byte scale) would lose its
-        # tail and misalign the next, so such rows go through torch
+        # it moves a row as 8-byte words: a row of another size (float8 rows of a hidden size that is not a multiple
+        # of 8) would lose its tail and misalign the next, so such rows go through torch
         self.kernel_copy = kernel_copy if _row_bytes(store.hiddens[0]) % KERNEL_WORD == 0 else None
         groups, row = store.hiddens.shape[0], store.hiddens.shape[-1]
         self.hiddens = torch.zeros(groups, size, row, dtype=store.hiddens.dtype, pin_memory=pin_memory)
