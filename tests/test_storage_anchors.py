@@ -204,3 +204,28 @@ def test_tp_ranks_with_different_stores_plan_the_same_hit(stores):
     for t in threads:
         t.join(timeout=20)
     assert outcome[0] is not None and outcome[0] == outcome[1], outcome
+
+
+@pytest.mark.parametrize("page, start", [(16, 0), (16, 128), (64, 256)])
+def test_page_arithmetic_at_page_sizes_above_one(page, start):
+    """Issue 65 class 2: at page size 1 a page is a token and no page arithmetic can go wrong. 704 tokens stored past
+    `start` with states stored at 512 and 640 tokens into the span, driven through SGLang's own single-rank
+    `_sync_prefetch_hit_query`: the hit takes every stored page and reads the state at 640, keyed by its own page and
+    committed at its own depth."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    controller = SimpleNamespace(page_size=page, _all_reduce=lambda tensor, op, groups: None,
+                                 prefetch_hits_sync_groups=[])
+    state = PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    setattr(state, STATE_ASK, StateAsk(512 // page, start, page, lambda m: 512))
+    hidden = PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)
+    operation = SimpleNamespace(pool_transfers=[state, hidden], all_hash_values=[f"h{i}" for i in range(1, 64)],
+                                token_ids=list(range(63 * page)))
+    stored_pages = 704 // page
+    _, stored = widen_stop_points(hit_query(stored_pages, stored_pages, {512 // page, 640 // page}), controller,
+                                  operation)
+    assert stored == 704
+    hit = drop_unneeded_state(HybridCacheController._sync_prefetch_hit_query, controller, operation, stored)
+    assert hit == 704 and state in operation.pool_transfers
+    read_planned_state(trailing, controller, [state], operation.all_hash_values[:hit // page], hit // page)
+    assert state.keys == [f"h{640 // page}"] and state_depth(state) == start + 640

@@ -280,7 +280,8 @@ def _storage_config(model_path, *flags) -> dict:
     from tailreplay_sglang.plugin import add_cli_args, config_from_args, hand_off
 
     parser = argparse.ArgumentParser()
-    for flag in ("--model-path", "--dtype", "--hicache-storage-backend", "--hicache-storage-backend-extra-config"):
+    for flag in ("--model-path", "--dtype", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",
+                 "--kv-cache-dtype", "--revision", "--page-size"):
         parser.add_argument(flag)
     parser.add_argument("--enable-hierarchical-cache", action="store_true")
     add_cli_args(parser)
@@ -312,6 +313,17 @@ def test_mooncake_pages_are_tagged_with_what_they_hold(tiny_qwen35, tiny_qwen3ne
                                "--dtype", "float32")  # `file` keys ignore it: the folder is claimed with it
     assert file_tag == {"extra_backend_tag": tag}
     assert _storage_config(tiny_qwen35) == {}
+
+
+@pytest.mark.parametrize("flag, values", [
+    ("--kv-cache-dtype", ("float32", "bfloat16", "float16")),  # bfloat16 and float16: same size, other bytes
+    ("--revision", ("main", "v2")), ("--page-size", ("1", "16", "64"))])
+def test_each_setting_that_changes_a_pages_bytes_changes_the_tag(tiny_qwen35, flag, values):
+    """Issue 65 class 4: two servers whose KV dtypes have the same size (or another revision or page size) would
+    read each other's pages as their own if the tag did not hash the setting."""
+    tags = {_storage_config(tiny_qwen35, *MOONCAKE_L3, "--dtype", "float32", flag, value)["extra_backend_tag"]
+            for value in values}
+    assert len(tags) == len(values)
 
 
 def test_the_tag_names_the_weights_not_only_the_config(tiny_qwen35, tmp_path):
