@@ -38,22 +38,29 @@ class _Group:
 ROWS = ([3, 5], [4, 0], [0, 2])  # replay rows per rank, one exchange each: both replay, one only takes part
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+# Attention TP 2 in a TP group of 4 (--tp 4 --dp 2): ranks 0-1 are attention-DP group 0, ranks 2-3 group 1; the
+# peers of a group hold the same batch, so rows are given per group
+GROUP_ROWS = ([3, 5], [4, 0], [0, 2])
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, attn_tp: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import sglang.srt.runtime_context as runtime_context
 
     from tailreplay_sglang import dp_attention
 
-    parallel = SimpleNamespace(attn_tp_rank=0, tp_group=_Group(rank, world))
+    parallel = SimpleNamespace(attn_tp_rank=rank % attn_tp, tp_group=_Group(rank, world))
     runtime_context.get_parallel = lambda: parallel
     block, _ = _sharded_mlp(rank, world)
     results = []
-    for case, rows in enumerate(ROWS):
-        h = torch.randn(rows[rank], HIDDEN, generator=torch.Generator().manual_seed(10 * case + rank))
-        exchange = dp_attention.exchange_rows(rows[rank])
+    group = rank // attn_tp
+    for case, rows in enumerate(ROWS if attn_tp == 1 else GROUP_ROWS):
+        # attention-TP peers: the same rows (one seed per group)
+        h = torch.randn(rows[group], HIDDEN, generator=torch.Generator().manual_seed(10 * case + group))
+        exchange = dp_attention.exchange_rows(rows[group])
         reduce = lambda partial: parallel.tp_group.all_reduce(partial)  # noqa: E731
-        out = exchange.feed_forward(block, h if rows[rank] else None, HIDDEN, torch.float32, "cpu", reduce)
+        out = exchange.feed_forward(block, h if rows[group] else None, HIDDEN, torch.float32, "cpu", reduce)
         results.append({"counts": exchange.counts, "h": h, "out": out})
     torch.save(results, f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
@@ -69,6 +76,20 @@ def test_each_rank_gets_its_own_rows_of_the_block_over_every_ranks_rows(tmp_path
         for rows, got in zip(ROWS, torch.load(tmp_path / f"{rank}.pt")):
             assert got["counts"] == rows
             assert got["out"].shape == (rows[rank], HIDDEN)
+            torch.testing.assert_close(got["out"], full(got["h"]), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_tp_peers_each_get_their_groups_rows(tmp_path):
+    """Issue 65 class 3: --tp 4 --dp 2 (attention TP 2), as four gloo ranks in two attention-DP groups of two. Only a
+    group's attention-TP rank 0 contributes its rows (its peers hold the same batch), the feed-forward block is
+    sharded over all four, and every rank of a group gets its group's rows of the whole block's result."""
+    mp.start_processes(_rank_main, args=(4, free_port(), str(tmp_path), 2), nprocs=4, start_method="spawn")
+    _, full = _sharded_mlp(0, 1)
+    for rank in range(4):
+        group = rank // 2
+        for rows, got in zip(GROUP_ROWS, torch.load(tmp_path / f"{rank}.pt")):
+            assert got["counts"] == [rows[0], 0, rows[1], 0]
+            assert got["out"].shape == (rows[group], HIDDEN)
             torch.testing.assert_close(got["out"], full(got["h"]), rtol=1e-5, atol=1e-5)
 
 
