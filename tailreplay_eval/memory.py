@@ -32,6 +32,12 @@ Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small are not read from
 by hand below (`HAND_WRITTEN`), as we know them from the published configs. A Mamba2 model's (Nemotron-H,
 Granite-4.0-H) slot is SGLang's `Mamba2StateShape`: conv over x | B | C (heads x head_dim + 2 x groups x state), SSM
 heads x head_dim x state.
+
+Refused models (Falcon-H1 and the 2026 frontier hybrids in `FRONTIER`) get a row too: what the store WOULD cost,
+with the refusal's reason (`architectures.REFUSED`). For those the store would have to keep more than one hidden per
+group: every stream of a hyper-connection residual (`residual_streams`) and the attention-residual bank's rows
+(`attn_res_bank_rows`). Their attention layers' indexer caches (`indexer_bytes_per_token`) are part of SGLang's KV
+cell, so stock's per-token cost is KV + indexer.
 """
 
 import argparse
@@ -47,8 +53,7 @@ from rich.table import Table
 
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import (FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid, layer_kinds,
-                                      mixer_of)
+from tailreplay_sglang.layout import FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid, layer_kinds
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +64,82 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ANCHOR_INTERVALS = (256, 512, 1024, 2048)  # the intervals tabulated unless the flags name one
 CHUNK_TOKENS = 4096  # prefill chunk of the prefix-cost example (stock no_buffer keeps one state per chunk)
 
+# The 2026 frontier hybrids SGLang 0.5.23 ships, at their published default shapes, in SGLang's field names (paths
+# under .venv/.../sglang/srt). Tail-Replay refuses all five (architectures.REFUSED): their rows say what the store
+# would cost. Where SGLang's config defaults are not the published model, the values come from
+# ../shared/notes/frontier-hybrids-2026-12-06.md and field-2026-12-06.md section 6 ("notes"); "assumed" marks what
+# neither gives. Text-only prompts: group 0's input (the embeddings) is not stored.
+FRONTIER = {
+    # configs/qwen4_exp.py: Qwen4ExpTextConfig(Qwen3NextConfig) keeps Qwen3-Next's defaults (configs/qwen3_next.py:
+    # 186-208: hidden 2048, 48 layers, 2 KV heads x 256, GDN 16 key / 32 value heads x 128, conv 4), which are the
+    # published 48 = 36 GDN + 12 QSA layers (notes; transformers 5.19's default is 40 layers). full_attention_interval
+    # is read from the checkpoint (transformers' default 4). hc_count 4 streams (qwen4_exp.py:24). Every QSA field
+    # defaults to None (QSA off) in both configs; assumed: index head 128, compress ratio 4 (the backend's fallback,
+    # layers/attention/qwen_sparse_attn_backend.py:241), budget 2048 (2048 / 4 = 512 blocks, which
+    # qsa/config.py:64 allows), 16 index query heads (these two do not enter the cache). No PLE layers (the default).
+    "Qwen3.8-Flash-Next": {
+        "model_type": "qwen4_exp_text", "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "hc_count": 4,
+        "indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+        "indexer_compress_ratio": 4, "dtype": "bfloat16",
+    },
+    # configs/glm5_next.py: hidden 4096, 45 layers, KDA on every layer but i % 4 == 3 (:85-89, :198-205), NoPE MLA
+    # latent 512 + 0 (:118-120), KDA 64 heads x 128, conv 4 (:129-131). Its defaults mhc=False (:123) and index_* None
+    # (:134-136: no DSA) are not the published model (mHC hc_mult 4 and a DSA indexer, notes; models/glm5_next.py:146
+    # names "GLM-5.3-Flash's hc_mult=4"): mhc on, index_topk 2048, index_head_dim 128, 32 index heads (transformers
+    # 5.19's defaults), index_kpool 4 (notes; transformers' default is 16, SGLang's when absent 1).
+    "GLM-5.3-Flash": {
+        "model_type": "glm5_next_text", "architectures": ["Glm5NextForConditionalGeneration"],
+        "hidden_size": 4096, "num_hidden_layers": 45,
+        "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
+        "num_attention_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 0,
+        "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "mhc": True, "hc_mult": 4,
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 4, "dtype": "bfloat16",
+    },
+    # configs/kimi_k3.py takes KimiLinearConfig, whose defaults (configs/kimi_linear.py: 32 layers, no KDA, no MLA,
+    # attn_res_block_size None) are no model. Notes: 93 layers = 69 KDA + 24 gated NoPE MLA (every 4th; assumed: and
+    # the last, as Kimi Linear). SGLang's K3 kernels fix hidden 7168 (kernels/ops/attention/attn_res.py:19) and KDA
+    # 12 heads x 128 per rank at TP8 = 96 heads, conv 4 (kda_fused_decode.py:13-15); at most 8 bank rows are read
+    # (attn_res.py:20), so attn_res_block_size >= 12 for 93 layers: assumed 12. Assumed: MLA latent 512 + 64 (Kimi
+    # Linear's and K2's; SGLang's MLA pool keeps the rope part of a NoPE MLA too).
+    "Kimi-K3": {
+        "model_type": "kimi_linear", "architectures": ["KimiK3LinearForCausalLM"],
+        "hidden_size": 7168, "num_hidden_layers": 93, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "linear_attn_config": {"full_attn_layers": [*range(4, 93, 4), 93],
+                               "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+                               "head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4},
+        "attn_res_block_size": 12, "dtype": "bfloat16",
+    },
+    # configs/bailing_hybrid.py's defaults (hidden 2048, 20 layers, layer_group_size 1 = no linear layer) are a test
+    # size. Notes: Ling-3.0-flash 42 = 35 KDA + 7 gated MLA (layer_group_size 6, :178-183), KDA from use_kda
+    # (short_conv_kernel_size set, :158; assumed 4). MLA latent 512 + 64 (:93, :95; use_mla_nope off). Assumed:
+    # hidden 4096, 32 heads x 128 (Ling-flash-2.0's); KDA runs over the attention heads (:216-222).
+    "Ling-3.0-flash": {
+        "model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"],
+        "hidden_size": 4096, "num_hidden_layers": 42, "layer_group_size": 6, "num_attention_heads": 32,
+        "head_dim": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "short_conv_kernel_size": 4,
+        "dtype": "bfloat16",
+    },
+    # Notes: Ling-2.5-1T 80 = 70 lightning + 10 MLA (layer_group_size 8); lightning state [heads, head_dim,
+    # head_dim], no conv (bailing_hybrid.py:226-236). Assumed: hidden 8192, 64 heads x 128 (Ling-1T's, the backbone
+    # Ling-2.5 was retrofitted from).
+    "Ling-2.5-1T": {
+        "model_type": "bailing_hybrid", "architectures": ["BailingMoeV2_5ForCausalLM"],
+        "hidden_size": 8192, "num_hidden_layers": 80, "layer_group_size": 8, "num_attention_heads": 64,
+        "head_dim": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16",
+    },
+}
+
 # The real models' shapes as we know them from their published config.json (text part), written by hand: there is
 # no hub access here. A checkpoint's own config.json (`--model-path`) always wins over these.
-HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Small, Falcon-H1-7B and "
-                     "Kimi-Linear-48B-A3B: shapes written by hand from the published configs as we know them, not "
-                     "read from a checkpoint")
+HAND_WRITTEN_NOTE = ("Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B, Granite-4.0-H-Small, Falcon-H1-7B, "
+                     "Kimi-Linear-48B-A3B and the frontier hybrids (Qwen3.8-Flash-Next, GLM-5.3-Flash, Kimi-K3, "
+                     "Ling-3.0-flash, Ling-2.5-1T; where SGLang's defaults are not the published model, the notes' "
+                     "figures, some assumed: FRONTIER's comments): shapes written by hand from the published "
+                     "configs as we know them, not read from a checkpoint")
 HAND_WRITTEN = {
     "Qwen3.5-4B": {
         "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
@@ -111,15 +187,16 @@ HAND_WRITTEN = {
         "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_ssm": 3072, "mamba_n_groups": 1, "mamba_d_state": 256,
         "mamba_d_conv": 4, "mamba_chunk_size": 128, "dtype": "bfloat16",
     },
+    **FRONTIER,
 }
 ALL_MODELS = ("small", "quality-qwen35", "Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small",
-              "Kimi-Linear-48B-A3B", "Falcon-H1-7B")
+              "Kimi-Linear-48B-A3B", "Falcon-H1-7B", *FRONTIER)
 # --all without --server-args: each model served as it is here (the presets in float32 on the CPU) or in practice
 # (the real models in their checkpoint dtype).
 ALL_DEFAULT_ARGS = {"small": "--dtype float32", "quality-qwen35": "--dtype float32",
                     "Qwen3.5-4B": "--dtype auto", "Qwen3.6-27B": "--dtype auto", "Nemotron-H-8B": "--dtype auto",
                     "Granite-4.0-H-Small": "--dtype auto", "Kimi-Linear-48B-A3B": "--dtype auto",
-                    "Falcon-H1-7B": "--dtype auto"}
+                    "Falcon-H1-7B": "--dtype auto", **{name: "--dtype auto" for name in FRONTIER}}
 
 
 def _flag(flags: list[str], name: str, default: str | None = None) -> str | None:
@@ -139,14 +216,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _with_layer_types(config: dict) -> dict:
     """The config with `layer_types` spelled out in the layout's kinds (from `full_attention_interval`, as SGLang's
-    Qwen3-Next config derives its layer pattern; from Nemotron-H's pattern; Granite's mamba / attention; Kimi
-    Linear's linear_attn_config). A parallel hybrid has no pattern to spell out."""
+    Qwen3-Next config derives its layer pattern, or Bailing's `layer_group_size`, the same rule; from Nemotron-H's
+    pattern; Granite's mamba / attention; Kimi Linear's linear_attn_config). A parallel hybrid has no pattern to
+    spell out."""
     if is_parallel_hybrid(config.get("architectures") or ()):
         return config
     if any(config.get(key) for key in ("layer_types", "hybrid_override_pattern", "layers_block_type",
                                        "linear_attn_config")):
         return {**config, "layer_types": list(layer_kinds(ConfigAttrs(config)))}
-    interval, n = config.get("full_attention_interval"), config["num_hidden_layers"]
+    interval = config.get("full_attention_interval") or config.get("layer_group_size")
+    n = config["num_hidden_layers"]
     types = [FULL if interval and (i + 1) % interval == 0 else LINEAR for i in range(n)]
     return {**config, "layer_types": types}
 
@@ -256,14 +335,30 @@ def tail_replay_config(model_path, flags: list[str]) -> TailReplayConfig:
     return config_from_args(args)
 
 
-def _recurrent_shape(config: dict) -> tuple[int, int, int]:
-    """(conv channels, conv width, SSM state values) of one recurrent layer: GDN's over q | k | v with [HV, V, K]
-    states, KDA's over q | k | v with [heads, head_dim, head_dim] states, or Mamba2's over x | B | C with [heads,
-    head_dim, state] states (Nemotron-H's or Granite's names)."""
+def _kda_dims(config: dict) -> tuple[int, int, int] | None:
+    """(heads, head_dim, conv width) of a KDA layer as SGLang's `KimiLinearStateShape.create` gets them: Kimi's
+    linear_attn_config, GLM-5-Next's linear_* fields, or Bailing's attention heads where use_kda (a
+    short_conv_kernel_size); None for another mixer."""
     if "linear_attn_config" in config:
         kda = config["linear_attn_config"]
-        width = kda["num_heads"] * kda["head_dim"]
-        return 3 * width, kda["short_conv_kernel_size"], width * kda["head_dim"]
+        return kda["num_heads"], kda["head_dim"], kda["short_conv_kernel_size"]
+    if "linear_num_heads" in config:
+        return config["linear_num_heads"], config["linear_head_dim"], config["linear_conv_kernel_dim"]
+    if config.get("short_conv_kernel_size"):
+        return config["num_attention_heads"], config["head_dim"], config["short_conv_kernel_size"]
+    return None
+
+
+def _recurrent_shape(config: dict) -> tuple[int, int, int]:
+    """(conv channels, conv width, SSM state values) of one recurrent layer: GDN's over q | k | v with [HV, V, K]
+    states, KDA's over q | k | v with [heads, head_dim, head_dim] states, Bailing's lightning layers' [heads,
+    head_dim, head_dim] states without a conv, or Mamba2's over x | B | C with [heads, head_dim, state] states
+    (Nemotron-H's or Granite's names)."""
+    if kda := _kda_dims(config):
+        heads, head_dim, conv_width = kda
+        return 3 * heads * head_dim, conv_width, heads * head_dim * head_dim
+    if "layer_group_size" in config:  # BailingHybridConfig.mamba2_cache_params without KDA: conv_kernel 1
+        return 0, 1, config["num_attention_heads"] * config["head_dim"] ** 2
     if "linear_num_key_heads" in config:
         key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
         key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -284,6 +379,42 @@ def kv_values_per_layer(config: dict) -> int:
         return config["kv_lora_rank"] + config["qk_rope_head_dim"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
     return 2 * config["num_key_value_heads"] * head_dim
+
+
+def indexer_bytes_per_token(config: dict, n_fa: int) -> int:
+    """Bytes per token of the sparse-attention indexer caches, which SGLang adds to the KV cell
+    (`pool_configurator._compute_cell_size`). QSA (Qwen4-Exp, `QSATokenToKVPool.qsa_bytes_per_token`): one
+    compressed key of indexer_kv_heads x indexer_head_dim per indexer_compress_ratio tokens per layer, bfloat16
+    (`--qsa-indexer-dtype auto`). DSA (GLM-5-Next with an index_topk, `_compute_dsa_indexer_cell_size`):
+    index_head_dim float8 bytes plus a float32 scale per 128, one row per index_kpool tokens, on every layer (with
+    index_topk_freq 1 no layer shares its top-k)."""
+    if config.get("indexer_n_heads") is not None:
+        return config["indexer_kv_heads"] * config["indexer_head_dim"] * 2 // config["indexer_compress_ratio"] * n_fa
+    if config.get("index_topk") is not None:
+        dim = config["index_head_dim"]
+        return -(-(dim + dim // 128 * 4) // config.get("index_kpool", 1)) * n_fa
+    return 0
+
+
+def residual_streams(config: dict) -> int:
+    """Streams of the residual, all of which a group's input is: Qwen4-Exp's hyper-connections (hc_count), GLM-5-Next's
+    mHC where mhc is on (hc_mult); 1 for a plain residual."""
+    if config.get("hc_count"):
+        return config["hc_count"]
+    return config.get("hc_mult", 1) if config.get("mhc") else 1
+
+
+def attn_res_bank_rows(config: dict, stored_first_layers: tuple[int, ...]) -> int:
+    """Hidden rows per token the store would keep besides the groups' inputs for attention residuals
+    (attn_res_block_size B, Kimi K3): layer i reads a softmax mix of the bank's rows, one snapshotted where each
+    block starts (layers 0, B, 2B, ...: cdiv(i, B) rows before layer i), and the running prefix
+    (`AttnResidual.forward`, layers/attn_residual.py; models/kimi_k3.py:2591-2592). So a group needs its prefix (the
+    stored input) and every row banked before it. Assumed: each row is stored once, shared by the later groups, and
+    row 0 (the embeddings) not at all."""
+    block = config.get("attn_res_block_size")
+    if not block or not stored_first_layers:
+        return 0
+    return -(-max(stored_first_layers) // block) - 1
 
 
 def mamba_slot_bytes(config: dict, n_gdn_layers: int) -> dict:
@@ -318,34 +449,34 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
     name, config, source = resolve_model(model)
     served, kv = serving_dtype(config, flags), kv_dtype(config, flags)
     refused = _refusal(config)
-    if refused:
-        # Falcon-H1: attention beside Mamba2 in every layer, so every layer would be a group and all but the first
-        # (fed by the embeddings) would store their input, at the serving dtype. Nothing is anchored or replayed.
-        n_fa = n_gdn = config["num_hidden_layers"]
-        stored_groups = n_fa - 1
-        cfg = TailReplayConfig(exact_budget=0, hidden_tier="device")
-    else:
-        layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"],
-                              mixer=mixer_of(config.get("architectures") or ()))
-        n_fa, n_gdn = layout.layer_types.count(FULL), layout.layer_types.count(LINEAR)
-        stored_groups = len(layout.stored_groups)
-        # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also
-        # when the flags are a stock server's.
-        cfg = tail_replay_config(config, [*flags, "--enable-tail-replay"])
+    n_fa, n_gdn, stored = _layer_counts(config)
+    # The store and anchors as a Tail-Replay server with these flags would have them (defaults included), also when
+    # the flags are a stock server's; for a refused model paper mode on the device (nothing anchored or replayed).
+    cfg = (TailReplayConfig(exact_budget=0, hidden_tier="device") if refused
+           else tail_replay_config(config, [*flags, "--enable-tail-replay"]))
     kv_per_token = n_fa * kv_values_per_layer(config) * kv.itemsize
+    indexer = indexer_bytes_per_token(config, n_fa)
+    streams, bank_rows = residual_streams(config), attn_res_bank_rows(config, stored)
     hidden = hidden_dtype(cfg, config, flags)
-    hidden_per_token = hidden_store.bytes_per_token_of(stored_groups, config["hidden_size"], hidden)
+    rows = len(stored) * streams + bank_rows  # hidden-wide rows per token
+    hidden_per_token = hidden_store.bytes_per_token_of(rows, config["hidden_size"], hidden)
     slot = mamba_slot_bytes(config, n_gdn)
-    paper = kv_per_token + hidden_per_token
+    stock = kv_per_token + indexer  # SGLang's KV cell
+    paper = stock + hidden_per_token
     return {
         "model": name, "config_source": source, "flags": shlex.join(flags), **({"refused": refused} if refused else {}),
-        "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": stored_groups,
+        "fa_layers": n_fa, "gdn_layers": n_gdn, "stored_groups": len(stored),
+        "residual_streams": streams, "attn_res_bank_rows": bank_rows, "stored_rows": rows,
         "fa_kv_kind": "MLA latent" if config.get("kv_lora_rank") else "K and V",
         "serving_dtype": _dtype_name(served), "kv_dtype": _dtype_name(kv),
         "hidden_dtype_flag": cfg.hidden_dtype, "hidden_dtype": _dtype_name(hidden), "hidden_tier": cfg.hidden_tier,
         "fa_kv_bytes_per_token": kv_per_token,
+        "indexer_bytes_per_token": indexer,
         "tail_replay_hidden_bytes_per_token": hidden_per_token,
+        "hiddens_per_kv": hidden_per_token / kv_per_token,
         "tail_replay_bytes_per_cached_token": paper,
+        # Tokens a pool holds at equal device memory in paper mode, as a share of stock's.
+        "tokens_that_fit": stock / paper,
         "mamba_slot": slot,
         "stock_slots_per_running_request": {"no_buffer": 1, "extra_buffer": 3},
         "stock_slots_per_checkpoint": 1,
@@ -356,7 +487,7 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
         "hidden_tokens_per_mamba_slot": slot["total_bytes"] / hidden_per_token,
         "kv_tokens_per_mamba_slot": slot["total_bytes"] / kv_per_token,
         # Per cached token, without the states held per checkpoint / request end (one slot each, above).
-        "stock_bytes_per_cached_token": kv_per_token,
+        "stock_bytes_per_cached_token": stock,
         "paper_bytes_per_cached_token": paper,
         "anchors": {
             "anchored": cfg.anchored, "anchor_interval": cfg.anchor_interval, "exact_budget": cfg.exact_budget,
@@ -369,14 +500,26 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
 
 
 def _refusal(config: dict) -> str | None:
-    """Tail-Replay's start-up refusal of this model (Falcon-H1), or None where it is served."""
-    if not is_parallel_hybrid(config.get("architectures") or ()):
-        return None
+    """Tail-Replay's start-up refusal of this model, or None where it is served: the layout check's message
+    (Falcon-H1's parallel layers; every architecture outside `architectures.SERVED`, with its reason from
+    `architectures.REFUSED`)."""
     try:
         HybridLayout.from_hf_config(ConfigAttrs(config))
     except ValueError as e:
         return str(e)
-    raise AssertionError(f"{config.get('architectures')}: expected Tail-Replay to refuse it")
+    return None
+
+
+def _layer_counts(config: dict) -> tuple[int, int, tuple[int, ...]]:
+    """(FA layers, recurrent layers, first layer of each stored group). A parallel hybrid (Falcon-H1) has attention
+    beside its recurrent mixer in every layer, so every layer would be a group and all but the first (fed by the
+    embeddings) would store their input."""
+    if is_parallel_hybrid(config.get("architectures") or ()):
+        n = config["num_hidden_layers"]
+        return n, n, tuple(range(1, n))
+    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    return (layout.layer_types.count(FULL), layout.layer_types.count(LINEAR),
+            tuple(g.first_layer for g in layout.stored_groups))
 
 
 def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
@@ -384,7 +527,7 @@ def device_bytes_per_token(model_path: Path, server_args: list[str], system_flag
     host tier (`--tail-replay-hidden-tier host`)."""
     acc = account(model_path, [*server_args, *system_flags])
     on_device = "--enable-tail-replay" in system_flags and "host" not in system_flags
-    return acc["fa_kv_bytes_per_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)
+    return acc["stock_bytes_per_cached_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)
 
 
 def account_for_configs(model_path: Path, configs: dict[str, tuple | None], server_args: list[str]) -> dict:
@@ -411,11 +554,15 @@ def table(acc: dict, title: str = "memory per cached token and per recurrent sta
                   + ". The Tail-Replay rows below are what it would cost.")
     t.add_row("FA KV per token", _size(acc["fa_kv_bytes_per_token"]),
               f"{acc['fa_layers']} FA layers, {acc['fa_kv_kind']}, {acc['kv_dtype']}; stock and Tail-Replay alike")
+    if acc.get("indexer_bytes_per_token"):
+        t.add_row("indexer cache per token", _size(acc["indexer_bytes_per_token"]),
+                  "the attention layers' sparse-attention indexer; in SGLang's KV cell, stock and Tail-Replay alike")
     t.add_row("Tail-Replay hiddens per token", _size(acc["tail_replay_hidden_bytes_per_token"]),
-              f"{acc['stored_groups']} stored groups x hidden, {acc['hidden_dtype']} "
-              f"(--tail-replay-hidden-dtype {acc.get('hidden_dtype_flag', '?')}), + 8 B token id")
+              f"{_rows(acc)} x hidden, {acc['hidden_dtype']} (--tail-replay-hidden-dtype "
+              f"{acc.get('hidden_dtype_flag', '?')}), + 8 B token id; {acc['hiddens_per_kv']:.1f}x the FA KV")
     t.add_row("Tail-Replay per cached token", _size(acc["tail_replay_bytes_per_cached_token"]),
-              "KV + hiddens; all of it in paper mode (exact budget 0)")
+              f"KV + indexer + hiddens; all of it in paper mode (exact budget 0); tokens that fit at equal "
+              f"memory: {acc['tokens_that_fit']:.1%} of stock's")
     t.add_row("one mamba slot = one anchor", _size(slot["total_bytes"]),
               f"{acc['gdn_layers']} recurrent layers: conv {_size(slot['conv_bytes'])} ({slot['conv_dtype']}) + "
               f"SSM {_size(slot['ssm_bytes'])} ({slot['ssm_dtype']})")
@@ -438,6 +585,16 @@ def table(acc: dict, title: str = "memory per cached token and per recurrent sta
     return t
 
 
+def _rows(acc: dict) -> str:
+    """What the stored rows are: the groups' inputs (every stream of a hyper-connection residual) and banked rows."""
+    rows = f"{acc['stored_groups']} stored groups"
+    if acc.get("residual_streams", 1) > 1:
+        rows += f" x {acc['residual_streams']} streams"
+    if acc.get("attn_res_bank_rows"):
+        rows += f" + {acc['attn_res_bank_rows']} attention-residual bank rows"
+    return rows
+
+
 def all_table(accs: list[dict], title: str = "bytes per cached token") -> Table:
     """One row per model: KV, hiddens, the slot (= one anchor), and per cached token stock / paper / anchored at
     each interval (the union of the models' intervals)."""
@@ -449,6 +606,7 @@ def all_table(accs: list[dict], title: str = "bytes per cached token") -> Table:
     t.add_column("slot =\n1 anchor", justify="right")
     t.add_column("stock\nKV (+1 slot\nper ckpt)", justify="right")
     t.add_column("paper B=0\nKV + hid", justify="right")
+    t.add_column("fit\n(paper)", justify="right")
     intervals = sorted({row["interval"] for acc in accs for row in acc["anchors"]["intervals"]})
     for n in intervals:
         t.add_column(f"anchored\nN={n}\n(+slot/{n})", justify="right", no_wrap=True)
@@ -457,11 +615,13 @@ def all_table(accs: list[dict], title: str = "bytes per cached token") -> Table:
         star = "*" if acc["config_source"] == "hand-written shapes" else ""
         refused = "refused" in acc  # the store columns say what it would cost
         paper = _size(acc["paper_bytes_per_cached_token"])
+        indexer = acc.get("indexer_bytes_per_token", 0)
         cells = [f"{acc['model']}{star}{' (refused)' if refused else ''}\n{acc['flags']}",
                  f"{acc['kv_dtype']}\n{acc['hidden_dtype']}",
-                 _size(acc["fa_kv_bytes_per_token"]), _size(acc["tail_replay_hidden_bytes_per_token"]),
+                 _size(acc["fa_kv_bytes_per_token"]) + (f"\n+{_size(indexer)} idx" if indexer else ""),
+                 f"{_size(acc['tail_replay_hidden_bytes_per_token'])}\n{acc['hiddens_per_kv']:.1f}x KV",
                  _size(acc["mamba_slot"]["total_bytes"]), _size(acc["stock_bytes_per_cached_token"]),
-                 f"would be\n{paper}" if refused else paper]
+                 f"would be\n{paper}" if refused else paper, f"{acc['tokens_that_fit']:.1%}"]
         for n in intervals:
             row = by_n.get(n)
             cells.append(f"{_size(row['tail_replay_bytes_per_cached_token'])}\n"

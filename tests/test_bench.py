@@ -374,7 +374,8 @@ def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
     return Mamba2CacheParams(shape=shape, layers=list(range(n_gdn)), dtype=mamba2_state_dtype(None)).mamba_cache_per_req
 
 
-SERVED_MODELS = [m for m in memory.ALL_MODELS if m != "Falcon-H1-7B"]  # Tail-Replay refuses Falcon-H1
+# Tail-Replay refuses Falcon-H1 and the frontier hybrids
+SERVED_MODELS = [m for m in memory.ALL_MODELS if m != "Falcon-H1-7B" and m not in memory.FRONTIER]
 
 
 @pytest.mark.parametrize("model", SERVED_MODELS)
@@ -433,6 +434,88 @@ def test_memory_row_of_a_refused_parallel_hybrid_says_what_the_store_would_cost(
     assert acc["mamba_slot"]["total_bytes"] == _sglang_slot_bytes(config, 44)
 
 
+def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monkeypatch):
+    """The five frontier hybrids are refused (architectures.REFUSED's reason in the row); their rows say what the store
+    would keep: every hyper-connection stream of each stored group's input, and Kimi K3's banked rows. The hidden
+    rows per token against the KV (excluding the indexer): Qwen3.8-Flash-Next 11 x 4 x 2048 x 2 B against 12 x 2 x
+    2 x 256 x 2 B, 7.3x; GLM-5.3-Flash 11 x 4 x 4096 x 2 B against 11 x 512 x 2 B, 32x. The notes' "about 28x" is
+    GLM's hiddens against KV + a DSA indexer sized at index_kpool 1 (SGLang's value where the config has none)."""
+    from tailreplay_sglang.architectures import REFUSED
+
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    acc = {name: memory.account(name, ["--dtype", "auto"]) for name in memory.FRONTIER}
+    for name, row in acc.items():
+        assert REFUSED[memory.FRONTIER[name]["architectures"][0]] in row["refused"]
+        assert row["anchors"]["intervals"] == [] and row["hidden_dtype"] == row["kv_dtype"] == "bfloat16"
+        assert row["tokens_that_fit"] == row["stock_bytes_per_cached_token"] / row["paper_bytes_per_cached_token"]
+    qwen, glm = acc["Qwen3.8-Flash-Next"], acc["GLM-5.3-Flash"]
+    assert (qwen["fa_layers"], qwen["gdn_layers"], qwen["stored_groups"], qwen["residual_streams"]) == (12, 36, 11, 4)
+    assert qwen["fa_kv_bytes_per_token"] == 12 * 2 * 2 * 256 * 2 and qwen["indexer_bytes_per_token"] == 12 * 64
+    assert qwen["tail_replay_hidden_bytes_per_token"] == 11 * 4 * 2048 * 2 + 8
+    assert round(qwen["hiddens_per_kv"], 1) == 7.3
+    assert (glm["fa_layers"], glm["gdn_layers"], glm["stored_groups"], glm["residual_streams"]) == (11, 34, 11, 4)
+    assert glm["fa_kv_bytes_per_token"] == 11 * 512 * 2 and glm["indexer_bytes_per_token"] == 11 * 33
+    assert glm["tail_replay_hidden_bytes_per_token"] == 11 * 4 * 4096 * 2 + 8
+    assert round(glm["hiddens_per_kv"]) == 32
+    kpool_1 = memory.account({**memory.FRONTIER["GLM-5.3-Flash"], "index_kpool": 1}, ["--dtype", "auto"])
+    assert round(kpool_1["tail_replay_hidden_bytes_per_token"] / kpool_1["stock_bytes_per_cached_token"]) == 28
+    # Kimi K3: 22 stored groups + 7 bank rows (block 12: rows at layers 12 ... 84 precede the last group, at 88)
+    kimi = acc["Kimi-K3"]
+    assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"], kimi["attn_res_bank_rows"]) == (24, 69, 22, 7)
+    assert kimi["tail_replay_hidden_bytes_per_token"] == (22 + 7) * 7168 * 2 + 8
+    assert [(acc[m]["fa_layers"], acc[m]["gdn_layers"], acc[m]["stored_groups"])
+            for m in ("Ling-3.0-flash", "Ling-2.5-1T")] == [(7, 35, 6), (10, 70, 9)]
+
+
+def test_memory_frontier_shapes_match_sglangs_config_classes_and_pool_sizing(monkeypatch):
+    """The frontier rows' layer split, indexer bytes and slot as SGLang 0.5.23's own config classes and pool sizing
+    give them for the same fields."""
+    from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
+    from sglang.srt.configs.glm5_next import Glm5NextTextConfig
+    from sglang.srt.configs.kimi_linear import KimiLinearConfig
+    from sglang.srt.configs.mamba_utils import (KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams,
+                                                Mamba2StateShape, mamba2_state_dtype)
+    from sglang.srt.configs.qwen4_exp import Qwen4ExpTextConfig
+    from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    f = memory.FRONTIER
+    qwen = Qwen4ExpTextConfig(full_attention_interval=4)  # SGLang's defaults are the published shape
+    assert {k: getattr(qwen, k) for k in f["Qwen3.8-Flash-Next"] if hasattr(qwen, k) and k != "architectures"} == {
+        k: v for k, v in f["Qwen3.8-Flash-Next"].items() if hasattr(qwen, k) and k != "architectures"}
+    glm = Glm5NextTextConfig(**{k: v for k, v in f["GLM-5.3-Flash"].items() if k not in ("layer_types", "dtype")})
+    kimi = KimiLinearConfig(**{k: v for k, v in f["Kimi-K3"].items() if k != "dtype"})
+    ling3, ling25 = (BailingHybridConfig(**{k: v for k, v in f[m].items() if k != "dtype"})
+                     for m in ("Ling-3.0-flash", "Ling-2.5-1T"))
+    for name, config in (("Qwen3.8-Flash-Next", qwen), ("GLM-5.3-Flash", glm), ("Kimi-K3", kimi),
+                         ("Ling-3.0-flash", ling3), ("Ling-2.5-1T", ling25)):
+        acc = memory.account(name, ["--dtype", "auto"])
+        assert (acc["fa_layers"], acc["gdn_layers"]) == (len(config.full_attention_layer_ids),
+                                                          len(config.linear_layer_ids))
+    profile = parse_qsa_profile(qwen.__class__(**{**qwen.to_dict(), **f["Qwen3.8-Flash-Next"]}))
+    assert memory.account("Qwen3.8-Flash-Next")["indexer_bytes_per_token"] == QSATokenToKVPool.qsa_bytes_per_token(
+        kv_heads=profile.kv_heads, head_dim=profile.head_dim, compress_ratio=profile.compress_ratio, num_layers=12)
+    per_layer = -(-(128 + 128 // DSATokenToKVPool.quant_block_size * 4) // glm.index_kpool)
+    assert memory.account("GLM-5.3-Flash")["indexer_bytes_per_token"] == per_layer * 11  # uint8 buffer
+    assert ling3.use_kda and not ling25.use_kda
+    dtype = mamba2_state_dtype(None)
+    for name, heads in (("GLM-5.3-Flash", 64), ("Kimi-K3", 96), ("Ling-3.0-flash", 32)):
+        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=heads, head_dim=128, conv_kernel_size=4)
+        acc = memory.account(name, ["--dtype", "auto"])
+        slot = KimiLinearCacheParams(shape=shape, layers=list(range(acc["gdn_layers"])), dtype=dtype)
+        assert acc["mamba_slot"]["total_bytes"] == slot.mamba_cache_per_req
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=0, n_groups=0, num_heads=64, head_dim=128,
+                                    state_size=128, conv_kernel=1)  # BailingHybridConfig.mamba2_cache_params
+    slot = Mamba2CacheParams(shape=shape, layers=list(range(70)), dtype=dtype).mamba_cache_per_req
+    assert memory.account("Ling-2.5-1T", ["--dtype", "auto"])["mamba_slot"]["total_bytes"] == slot
+    _, qwen_config, _ = memory.resolve_model("Qwen3.8-Flash-Next")
+    assert memory.account("Qwen3.8-Flash-Next")["mamba_slot"]["total_bytes"] == _sglang_slot_bytes(qwen_config, 36)
+
+
 def test_memory_anchor_intervals_follow_the_server_flags():
     acc = memory.account("quality-qwen35", ["--dtype", "float32", "--tail-replay-anchor-interval", "1024"])
     assert [row["interval"] for row in acc["anchors"]["intervals"]] == [1024]
@@ -464,7 +547,7 @@ def test_memory_all_table_and_json(tmp_path):
     kimi = real["Kimi-Linear-48B-A3B"]
     assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"]) == (7, 20, 6)
     assert kimi["fa_kv_bytes_per_token"] == 7 * (512 + 64) * 2
-    assert [m["model"] for m in data["models"] if "refused" in m] == ["Falcon-H1-7B"]
+    assert [m["model"] for m in data["models"] if "refused" in m] == ["Falcon-H1-7B", *memory.FRONTIER]
 
 
 def test_image_chat_shapes_and_summary():

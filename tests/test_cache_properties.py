@@ -937,6 +937,37 @@ def test_a_request_that_emitted_output_from_an_approximate_state_stays_approxima
         assert peek(fresh).exact
 
 
+def test_a_load_back_that_brings_fewer_tokens_replans_the_hit_from_an_anchor_within_them(sglang_context):
+    """Issue 65 class 6 (`replan_after_load`): the match planned a hit of 10 from the anchor at 8; the HiCache load-back
+    brought only the tokens up to 4 (SGLang loads all or none, and skips loads under its threshold), so the request
+    is planned again for those 4, in the slot it already holds: from the anchor at 4 (exact, its state the request's
+    copy source), and the anchor at 8, no longer needed, is let go."""
+    server_args, context = sglang_context
+    prompt = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, ANCHORED_MODE, 8)
+        cache.insert(InsertParams(key=RadixKey(array("q", prompt)), value=allocator.alloc(10)))
+        anchors = {}
+        for depth in (4, 8):
+            end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:depth]))))
+            anchors[depth] = req_pool.mamba_allocator.alloc(1)
+            cache.insert(InsertParams(key=RadixKey(array("q", prompt[:depth])),
+                                      value=cache.path_device_indices(end.last_device_node),
+                                      mamba_value=anchors[depth], prev_prefix_len=depth, inserted_len=depth))
+        req = new_request(1, prompt + (2,))
+        req.init_next_round_input(cache)
+        assert match_of(req) == Match(10, 8, exact=True)
+        assert int(req.kv.mamba_cow_src_index) == int(anchors[8])
+        node_at_4 = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:4])))).last_device_node
+        held = cache.protected_size()
+        cache.components[MAMBA].replan_after_load(req, node_at_4, 4)
+        assert match_of(req) == Match(4, 4, exact=True) and peek(req).exact
+        assert int(req.kv.mamba_cow_src_index) == int(anchors[4])
+        assert cache.protected_size() < held  # the anchor at 8's lock went with the old plan
+        cache.components[MAMBA].replan_after_load(req, node_at_4, 4)  # the plan already matches: unchanged
+        assert match_of(req) == Match(4, 4, exact=True)
+
+
 def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_state(sglang_context):
     """--tail-replay-fold-tokens: a hit 2 tokens past its anchor (fold 3) is cut back to the anchor, whose state
     the request's own slot holds, and nothing is left to replay; 5 tokens past it (budget 5), it is replayed."""
