@@ -51,7 +51,11 @@ def main(argv=None):
         console.print(f"* {HAND_WRITTEN_NOTE}. Slot = one mamba slot (conv + SSM state of every recurrent "
                       f"layer) = one anchor; anchored = KV + hiddens + slot/N while every interval anchor is kept "
                       f"(the mamba LRU evicts them); request-end and prefill-chunk-end anchors (one slot each, like "
-                      f"stock's checkpoints) come on top. Hidden dtype auto = the serving dtype. TP 1.")
+                      f"stock's checkpoints) come on top. idx = the sparse-attention indexer cache, part of SGLang's "
+                      f"KV cell (stock = KV + idx). fit = tokens a pool holds at equal device memory in paper mode, "
+                      f"as a share of stock's. Refused: what the store would keep (every hyper-connection stream, "
+                      f"attention-residual bank rows); Tail-Replay serves none of it. Hidden dtype auto = the serving "
+                      f"dtype. TP 1.")
         _write_json({"note": HAND_WRITTEN_NOTE, "models": accs}, args.json)
         return accs
     model = Path(args.model_path) if args.model_path else args.preset

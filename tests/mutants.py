@@ -202,6 +202,13 @@ MUTANTS = (
            "tailreplay_sglang/cache/component.py",
            "        self.runtime.staged_anchors.drop(self.cache, self.runtime.host_anchors, req)\n"
            "        req.kv.mamba_cow_src_index = None", "        req.kv.mamba_cow_src_index = None", (PROPERTIES,)),
+    Mutant("pin-drop", "the host pool drops its least recently used state whether or not a hit has pinned it",
+           "tailreplay_sglang/cache/host_anchors.py",
+           "        victim = next((node for node in self._slots if node not in self._pinned), None)",
+           "        victim = next(iter(self._slots), None)", ("tests/test_host_anchor_copies.py",)),
+    Mutant("pin-count", "one unpin releases every pin of an anchor",
+           "tailreplay_sglang/cache/host_anchors.py", "        if left:", "        if False:",
+           ("tests/test_host_anchor_copies.py",)),
     Mutant("commit", "a state read from storage is committed at the hit's last node, not at its own depth",
            "tailreplay_sglang/cache/component.py",
            "        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)",

@@ -468,9 +468,14 @@ def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monke
             for m in ("Ling-3.0-flash", "Ling-2.5-1T")] == [(7, 35, 6), (10, 70, 9)]
 
 
+def _frontier_fields(name: str) -> dict:
+    """A FRONTIER entry's fields as SGLang's config class takes them (no model_type, dtype or spelled-out layers)."""
+    return {k: v for k, v in memory.FRONTIER[name].items() if k not in ("model_type", "dtype", "layer_types")}
+
+
 def test_memory_frontier_shapes_match_sglangs_config_classes_and_pool_sizing(monkeypatch):
     """The frontier rows' layer split, indexer bytes and slot as SGLang 0.5.23's own config classes and pool sizing
-    give them for the same fields."""
+    give them for the same fields; Qwen3.8-Flash-Next's shape is SGLang's Qwen4ExpTextConfig defaults."""
     from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
     from sglang.srt.configs.glm5_next import Glm5NextTextConfig
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
@@ -483,37 +488,41 @@ def test_memory_frontier_shapes_match_sglangs_config_classes_and_pool_sizing(mon
 
     monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
     monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
-    f = memory.FRONTIER
-    qwen = Qwen4ExpTextConfig(full_attention_interval=4)  # SGLang's defaults are the published shape
-    assert {k: getattr(qwen, k) for k in f["Qwen3.8-Flash-Next"] if hasattr(qwen, k) and k != "architectures"} == {
-        k: v for k, v in f["Qwen3.8-Flash-Next"].items() if hasattr(qwen, k) and k != "architectures"}
-    glm = Glm5NextTextConfig(**{k: v for k, v in f["GLM-5.3-Flash"].items() if k not in ("layer_types", "dtype")})
-    kimi = KimiLinearConfig(**{k: v for k, v in f["Kimi-K3"].items() if k != "dtype"})
-    ling3, ling25 = (BailingHybridConfig(**{k: v for k, v in f[m].items() if k != "dtype"})
-                     for m in ("Ling-3.0-flash", "Ling-2.5-1T"))
-    for name, config in (("Qwen3.8-Flash-Next", qwen), ("GLM-5.3-Flash", glm), ("Kimi-K3", kimi),
-                         ("Ling-3.0-flash", ling3), ("Ling-2.5-1T", ling25)):
-        acc = memory.account(name, ["--dtype", "auto"])
-        assert (acc["fa_layers"], acc["gdn_layers"]) == (len(config.full_attention_layer_ids),
-                                                          len(config.linear_layer_ids))
-    profile = parse_qsa_profile(qwen.__class__(**{**qwen.to_dict(), **f["Qwen3.8-Flash-Next"]}))
-    assert memory.account("Qwen3.8-Flash-Next")["indexer_bytes_per_token"] == QSATokenToKVPool.qsa_bytes_per_token(
+    acc = {name: memory.account(name, ["--dtype", "auto"]) for name in memory.FRONTIER}
+    qwen = Qwen4ExpTextConfig(full_attention_interval=4)
+    shape_keys = ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                  "hc_count")
+    published = memory.FRONTIER["Qwen3.8-Flash-Next"]
+    assert {k: getattr(qwen, k) for k in shape_keys} == {k: published[k] for k in shape_keys}
+    configs = {"Qwen3.8-Flash-Next": qwen, "GLM-5.3-Flash": Glm5NextTextConfig(**_frontier_fields("GLM-5.3-Flash")),
+               "Kimi-K3": KimiLinearConfig(**_frontier_fields("Kimi-K3")),
+               **{m: BailingHybridConfig(**_frontier_fields(m)) for m in ("Ling-3.0-flash", "Ling-2.5-1T")}}
+    for name, config in configs.items():
+        _, ours, _ = memory.resolve_model(name)
+        assert [i for i, kind in enumerate(ours["layer_types"]) if kind == "full_attention"] == \
+            config.full_attention_layer_ids
+        assert acc[name]["gdn_layers"] == len(config.linear_layer_ids)
+    profile = parse_qsa_profile(SimpleNamespace(**memory.FRONTIER["Qwen3.8-Flash-Next"]))
+    assert acc["Qwen3.8-Flash-Next"]["indexer_bytes_per_token"] == QSATokenToKVPool.qsa_bytes_per_token(
         kv_heads=profile.kv_heads, head_dim=profile.head_dim, compress_ratio=profile.compress_ratio, num_layers=12)
-    per_layer = -(-(128 + 128 // DSATokenToKVPool.quant_block_size * 4) // glm.index_kpool)
-    assert memory.account("GLM-5.3-Flash")["indexer_bytes_per_token"] == per_layer * 11  # uint8 buffer
-    assert ling3.use_kda and not ling25.use_kda
+    glm = configs["GLM-5.3-Flash"]  # pool_configurator._compute_dsa_indexer_cell_size, uint8 index-K buffer
+    assert DSATokenToKVPool.index_k_with_scale_buffer_dtype.itemsize == 1
+    dim = glm.index_head_dim
+    per_layer = -(-(dim + dim // DSATokenToKVPool.quant_block_size * 4) // glm.index_kpool)
+    assert acc["GLM-5.3-Flash"]["indexer_bytes_per_token"] == per_layer * 11
+    assert configs["Ling-3.0-flash"].use_kda and not configs["Ling-2.5-1T"].use_kda
     dtype = mamba2_state_dtype(None)
     for name, heads in (("GLM-5.3-Flash", 64), ("Kimi-K3", 96), ("Ling-3.0-flash", 32)):
         shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=heads, head_dim=128, conv_kernel_size=4)
-        acc = memory.account(name, ["--dtype", "auto"])
-        slot = KimiLinearCacheParams(shape=shape, layers=list(range(acc["gdn_layers"])), dtype=dtype)
-        assert acc["mamba_slot"]["total_bytes"] == slot.mamba_cache_per_req
+        slot = KimiLinearCacheParams(shape=shape, layers=list(range(acc[name]["gdn_layers"])), dtype=dtype)
+        assert acc[name]["mamba_slot"]["total_bytes"] == slot.mamba_cache_per_req
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=0, n_groups=0, num_heads=64, head_dim=128,
                                     state_size=128, conv_kernel=1)  # BailingHybridConfig.mamba2_cache_params
     slot = Mamba2CacheParams(shape=shape, layers=list(range(70)), dtype=dtype).mamba_cache_per_req
-    assert memory.account("Ling-2.5-1T", ["--dtype", "auto"])["mamba_slot"]["total_bytes"] == slot
+    assert acc["Ling-2.5-1T"]["mamba_slot"]["total_bytes"] == slot
     _, qwen_config, _ = memory.resolve_model("Qwen3.8-Flash-Next")
-    assert memory.account("Qwen3.8-Flash-Next")["mamba_slot"]["total_bytes"] == _sglang_slot_bytes(qwen_config, 36)
+    assert acc["Qwen3.8-Flash-Next"]["mamba_slot"]["total_bytes"] == _sglang_slot_bytes(qwen_config, 36)
 
 
 def test_memory_anchor_intervals_follow_the_server_flags():

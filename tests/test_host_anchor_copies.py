@@ -75,3 +75,26 @@ def test_a_saved_index_freed_on_the_scheduler_stream_is_not_reused_before_the_fo
     torch.cuda.synchronize()
     for got, expected in zip(_states(pool, 9), want):
         assert torch.equal(got, expected)
+
+
+def test_a_pinned_host_anchor_is_never_the_one_dropped():
+    """Issue 65 class 5: a hit's host anchor is pinned from its match until its restore ran; a save that needs room
+    meanwhile drops the least recently used unpinned state, or none (the save is refused) when all are pinned. Pins
+    count: two hits on one anchor keep it until both unpin."""
+    pool = _pool()
+    host = HostAnchors(pool, capacity=2)
+    a, b, c, d = (object() for _ in range(4))
+    for i, node in enumerate((a, b)):
+        assert host.save(node, pool, torch.tensor([i], device=DEVICE))
+    host.pin(a)  # a is the least recently used, but a hit holds it
+    assert host.save(c, pool, torch.tensor([2], device=DEVICE))
+    assert a in host and b not in host and c in host and host.dropped == 1
+    host.pin(c)
+    host.pin(c)
+    assert not host.save(d, pool, torch.tensor([3], device=DEVICE)) and d not in host  # every state is pinned
+    host.unpin(c)
+    assert not host.save(d, pool, torch.tensor([3], device=DEVICE))  # c still has one pin
+    host.unpin(c)
+    assert host.save(d, pool, torch.tensor([3], device=DEVICE)) and a in host and c not in host
+    host.unpin(a)
+    assert host.pins == 0
