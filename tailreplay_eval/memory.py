@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from tailreplay_sglang.architectures import REFUSED
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.layout import FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid, layer_kinds
@@ -500,12 +501,14 @@ def account(model, flags: list[str] | tuple = (), intervals=None) -> dict:
 
 
 def _refusal(config: dict) -> str | None:
-    """Tail-Replay's start-up refusal of this model, or None where it is served: the layout check's message
-    (Falcon-H1's parallel layers; every architecture outside `architectures.SERVED`, with its reason from
-    `architectures.REFUSED`)."""
+    """Tail-Replay's start-up refusal of this model, or None where it is served: the layout check's message for a
+    hybrid SGLang serves that Tail-Replay refuses (`architectures.REFUSED`, its reason in the message; Falcon-H1's
+    names its store's cost). Any other architecture raises that message: there is no row to make of it."""
     try:
         HybridLayout.from_hf_config(ConfigAttrs(config))
     except ValueError as e:
+        if (config.get("architectures") or [None])[0] not in REFUSED:
+            raise
         return str(e)
     return None
 
@@ -523,8 +526,8 @@ def _layer_counts(config: dict) -> tuple[int, int, tuple[int, ...]]:
 
 
 def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
-    """Bytes a server charges its device per pooled token: FA KV, plus the stored hiddens unless they are on the
-    host tier (`--tail-replay-hidden-tier host`)."""
+    """Bytes a server charges its device per pooled token: SGLang's KV cell (FA KV + any indexer cache), plus the
+    stored hiddens unless they are on the host tier (`--tail-replay-hidden-tier host`)."""
     acc = account(model_path, [*server_args, *system_flags])
     on_device = "--enable-tail-replay" in system_flags and "host" not in system_flags
     return acc["stock_bytes_per_cached_token"] + (acc["tail_replay_hidden_bytes_per_token"] if on_device else 0)

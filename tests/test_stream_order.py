@@ -206,3 +206,37 @@ def test_an_empty_transfer_never_reaches_the_kernel():
     store = SimpleNamespace(hiddens=[torch.zeros(4, 8)], token_ids=torch.zeros(4, 1, dtype=torch.int64))
     empty = torch.empty(0, dtype=torch.int64)
     HiddenHostPool._copy_rows(SimpleNamespace(kernel_copy=kernel), store, store, empty, empty, "kernel")
+
+
+def test_an_anchor_evicted_before_its_deferred_backup_still_reaches_storage(monkeypatch):
+    """Issue 65 class 7: an interval anchor queued for a deferred storage backup (`back_up_state`) and evicted from
+    the device before that step: the eviction copies it to the host pool (`_backup_state_to_hicache`) and queues its
+    storage write, so the deferred backup stands aside and the next step writes the node, state included."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from tailreplay_sglang.cache.hierarchy import TailReplayRadixCache
+
+    monkeypatch.setattr(UnifiedRadixCache, "check_hicache_events", lambda self: None)
+    state = SimpleNamespace(value=torch.tensor([5]), host_value=None)
+    node = SimpleNamespace(id=7, backuped=True, write_through_pending_id=None,
+                           component_data={ComponentType.MAMBA: state})
+    cache = object.__new__(TailReplayRadixCache)
+    cache.tree_core = SimpleNamespace(node_by_id=lambda node_id: node)
+    cache.cache_controller, cache.enable_storage = object(), True
+    cache._state_backups, cache._state_writes, written, backed_up = [], [], [], []
+    cache.write_backup_storage = written.append
+    cache._execute_and_commit_kv_backup = backed_up.append
+    cache.back_up_state(7)  # queued: the node's write-through was issued before the anchor's insert
+    host_value = torch.tensor([2])
+    entry = SimpleNamespace(device_pool="mamba-pool", host_pool=SimpleNamespace(
+        backup_from_device_all_layer=lambda *args: None))
+    cache.host_pool_group = SimpleNamespace(alloc=lambda n, pool: host_value, get_entry=lambda pool: entry)
+    cache.cache_controller = SimpleNamespace(io_backend="direct", move_indices=lambda host, device: (host, device))
+    component = SimpleNamespace(component_type=ComponentType.MAMBA, cache=cache,
+                                runtime=SimpleNamespace(forward_stream=None, count_hicache_anchor_backup=lambda: None))
+    TailReplayMambaComponent._backup_state_to_hicache(component, node)  # the device pool evicts it first
+    state.value = None  # the eviction frees the device slot
+    cache.check_hicache_events()
+    assert backed_up == [] and written == [7] and state.host_value.tolist() == [2]
+    assert cache._state_backups == [] and cache._state_writes == []
