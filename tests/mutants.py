@@ -217,6 +217,10 @@ MUTANTS = (
            "            if not self._in_tree(node) or state.value is None or state.host_value is not None or not "
            "node.backuped:", "            if not self._in_tree(node) or not node.backuped:",
            ("tests/test_stream_order.py",)),
+    Mutant("decode-ancestor", "the PD decode server's match checks the matched node's own taint, not its ancestors'",
+           "tailreplay_sglang/cache/decode_component.py",
+           "        return lambda node: not is_tainted(node)",
+           "        return lambda node: not getattr(node, TAINT_ATTR, False)", (PROPERTIES,)),
     Mutant("commit", "a state read from storage is committed at the hit's last node, not at its own depth",
            "tailreplay_sglang/cache/component.py",
            "        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)",

@@ -99,6 +99,7 @@ SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None, dera
 
 
 PAPERS_MODE = TailReplayConfig(enabled=True, exact_budget=0)
+DECODE_MODE = TailReplayConfig(enabled=True, disaggregation_mode="decode")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,8 @@ def sglang_context():
     return server_args, create_context(server_args, role="scheduler")
 
 
-def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE, mamba_slots: int = MAMBA_SLOTS):
+def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE, mamba_slots: int = MAMBA_SLOTS,
+                factory=create_tail_replay_cache):
     """(tree cache, req-to-token pool, KV allocator) as the scheduler builds them, through our factory, with its
     own runtime as a scheduler process has."""
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8,
@@ -132,7 +134,7 @@ def build_cache(server_args, config: TailReplayConfig = PAPERS_MODE, mamba_slots
     runtime = TailReplayRuntime(config)
     if config.host_anchors:  # as lifecycle.create_store makes it, once the pools exist
         runtime.host_anchors = HostAnchors(req_pool.mamba_pool, config.host_anchors)
-    return create_tail_replay_cache(runtime, ctx), req_pool, allocator
+    return factory(runtime, ctx), req_pool, allocator
 
 
 # ---- reading the tree (custom components select SGLang's Python TreeCore, whose nodes are plain objects) ----
@@ -966,6 +968,30 @@ def test_a_load_back_that_brings_fewer_tokens_replans_the_hit_from_an_anchor_wit
         assert cache.protected_size() < held  # the anchor at 8's lock went with the old plan
         cache.components[MAMBA].replan_after_load(req, node_at_4, 4)  # the plan already matches: unchanged
         assert match_of(req) == Match(4, 4, exact=True)
+
+
+def test_a_decode_server_match_stops_above_a_tainted_ancestor_of_an_exact_path(sglang_context):
+    """Issue 65 class 1 (PD decode side, `cache/decode_component.py`): an approximate request left tainted KV (A); an
+    exact request then extended that path, its own KV inserted below A untainted (B). A later match through A into B
+    must stop above A: B is exact KV, but only as a continuation of A's approximate KV, and D would otherwise reuse
+    it under P's exact label."""
+    from tailreplay_sglang.cache.decode_component import create_decode_cache
+
+    server_args, context = sglang_context
+    tainted, extended = (0, 1, 2, 3, 0, 1), (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
+    with use_context(context):
+        cache, req_pool, allocator = build_cache(server_args, DECODE_MODE, factory=create_decode_cache)
+        approximate = InsertParams(key=RadixKey(array("q", tainted)), value=allocator.alloc(len(tainted)))
+        setattr(approximate, TAINT_ATTR, True)
+        cache.insert(approximate)
+        end = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tainted))))
+        assert end.device_prefix_len == 0  # the tainted node itself is no match end
+        rest = allocator.alloc(len(extended) - len(tainted))  # the exact request's KV past A (A's de-duplicated)
+        cache.insert(InsertParams(key=RadixKey(array("q", extended)), value=torch.cat([approximate.value, rest])))
+        taints = sorted((len(path_tokens(n)), bool(getattr(n, TAINT_ATTR, False))) for n in tree_nodes(cache))
+        assert taints == [(len(tainted), True), (len(extended), False)]  # A tainted, B below it exact
+        hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", extended + (2,)))))
+        assert hit.device_prefix_len == 0, "a match reused KV below a tainted ancestor"
 
 
 def test_a_hit_within_the_fold_of_its_anchor_matches_up_to_the_anchor_with_its_state(sglang_context):
