@@ -401,3 +401,33 @@ def test_hicache_host_pool_hands_a_zero_copy_backend_each_pages_bytes_in_place(d
         got = b"".join(ctypes.string_at(p, n) for p, n in zip(page_ptrs, page_sizes))
         assert got == pool.get_data_page(start).numpy().tobytes()
         assert all(any(lo <= p and p + n <= hi for lo, hi in registered) for p, n in zip(page_ptrs, page_sizes))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_host_twin_as_init_hicache_builds_it_on_a_gpu_moves_rows_with_sglangs_kernel(dtype):
+    """Issue 65 class 8, natively on CUDA where SGLang with sgl-kernel is installed (scripts/gpu_check.sh's serving
+    machine): the twin `init_hicache` builds (pinned host rows of a device-tier store) binds SGLang's own indexed copy
+    and round-trips every group's rows and the token ids through it, float8 rows included (their 8-byte scale slot
+    makes them whole words)."""
+    from tailreplay_sglang.store.hicache_pool import HiddenHostPool, sglang_indexed_copy
+
+    if DEVICE != "cuda":
+        pytest.skip("pinned memory and sgl-kernel's copy exist on CUDA only")
+    try:
+        kernel = sglang_indexed_copy()
+    except ImportError as e:
+        pytest.skip(f"SGLang is not installed here: {e}")
+    if kernel is None:
+        pytest.skip("this SGLang binds no indexed copy (no sgl-kernel)")
+    store = HiddenStore(LAYOUT, 64, dtype, DEVICE)
+    store.hiddens.copy_(torch.randint(0, 255, store.hiddens.shape, dtype=torch.uint8).view(store.hiddens.dtype)
+                        if dtype == torch.float8_e4m3fn else torch.randn(store.hiddens.shape).to(dtype))
+    store.token_ids.copy_(torch.randint(0, 1000, store.token_ids.shape))
+    pool = HiddenHostPool(store, size=32, page_size=1, pin_memory=True)  # as `init_hicache` builds it on CUDA
+    assert pool.kernel_copy is kernel and pool.hiddens.is_pinned() and pool.token_ids.is_pinned()
+    dev, host, fresh = (torch.arange(a, a + 12, device=DEVICE) for a in (8, 16, 40))
+    pool.backup_from_device_all_layer_physical(store, host, dev, "kernel")
+    pool.load_to_device_per_layer_physical(store, host, fresh, 0, "kernel")
+    torch.cuda.synchronize()
+    assert torch.equal(store.hiddens[:, fresh].view(torch.uint8), store.hiddens[:, dev].view(torch.uint8))
+    assert torch.equal(store.token_ids[fresh], store.token_ids[dev])
