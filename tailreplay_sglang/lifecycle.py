@@ -31,7 +31,7 @@ from tailreplay_sglang.families import family_for
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.runtime import TailReplayRuntime
 from tailreplay_sglang.store.hicache_pool import HiddenHostPool
-from tailreplay_sglang.store.hidden_store import HiddenStore, bytes_per_token
+from tailreplay_sglang.store.hidden_store import HiddenStore, Shard, bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,26 @@ def add_store_to_cell_size(runtime: TailReplayRuntime, original, configurator, k
     if runtime.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
         return cell
     layout = HybridLayout.from_hf_config(kvc.model_config.hf_config)
-    extra = bytes_per_token(layout, _hidden_dtype(runtime, kvc.model_config))
-    logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token", cell, extra)
+    shards = store_shard(kvc.model_config, layout.hidden_size).world
+    extra = bytes_per_token(layout, _hidden_dtype(runtime, kvc.model_config), shards)
+    logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token (each row split over %d attention-TP "
+                "ranks)", cell, extra, shards)
     return cell + extra
+
+
+def store_shard(model_config, hidden_size: int) -> Shard:
+    """This rank's part of the hidden store (`hidden_store.Shard`): 1/N of every row over the N attention-TP ranks,
+    which replay the same batch from the same replicated residual stream. Whole rows where the hidden size does not
+    split evenly, and for MLA models with a HiCache storage backend: SGLang keys an MLA model's pages without the TP
+    rank (its latent KV is replicated), so the ranks' parts would overwrite each other's."""
+    from sglang.srt.runtime_context import get_memory, get_parallel
+
+    parallel = get_parallel()
+    world = parallel.attn_tp_size
+    mla = getattr(getattr(model_config, "attention_arch", None), "name", "") == "MLA"
+    if world == 1 or hidden_size % world or (mla and get_memory().hicache_storage_backend):
+        return Shard()
+    return Shard(parallel.attn_tp_rank, world, parallel.attn_tp_group)
 
 
 def share_hicache_size_with_hidden_rows(runtime: TailReplayRuntime, original, *args, **kwargs):
@@ -75,7 +92,8 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     runtime.family.bind(model, layout)  # fails the start-up on a model internal this SGLang lacks
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
-    runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier)
+    runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier,
+                                store_shard(runner.model_config, layout.hidden_size))
     runtime.kv_pool = runner.token_to_kv_pool
     runtime.family.install_capture(model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner)

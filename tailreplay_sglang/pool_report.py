@@ -34,6 +34,9 @@ def pool_report(scheduler, runtime) -> dict:
         "hidden_tier": None if store is None else store.tier,
         "hidden_dtype": None if store is None else str(store.codec.dtype),
         "hidden_store_device_bytes": 0 if store is None else store.device_nbytes,
+        # this rank's bytes per cached token, and its part of every row: [attention-TP rank, ranks sharing a row]
+        "hidden_store_bytes_per_token": 0 if store is None else store.nbytes // int(store.token_ids.numel()),
+        "hidden_store_shard": None if store is None else [store.shard.rank, store.shard.world],
         "pending_write_backs": 0 if store is None else store.pending_write_backs(),
         "pending_replays": len(pending),
         "evicted_tokens": runtime.evicted_tokens,

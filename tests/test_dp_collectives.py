@@ -34,6 +34,11 @@ class _Group:
         dist.all_reduce(t)
         return t
 
+    def all_gather(self, t, dim=-1):
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=dim)
+
 
 ROWS = ([3, 5], [4, 0], [0, 2])  # replay rows per rank, one exchange each: both replay, one only takes part
 
@@ -91,6 +96,48 @@ def test_attention_tp_peers_each_get_their_groups_rows(tmp_path):
             assert got["counts"] == [rows[0], 0, rows[1], 0]
             assert got["out"].shape == (rows[group], HIDDEN)
             torch.testing.assert_close(got["out"], full(got["h"]), rtol=1e-5, atol=1e-5)
+
+
+def _store_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One attention-TP rank's hidden store, sharded: the same (replicated) values written, a tail read and
+    decoded, for each row dtype."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
+    from tailreplay_sglang.store.hidden_store import HiddenStore, Shard
+    from tailreplay_sglang.store.transfer import HostToDevice
+
+    layout = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=16)
+    values = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)) * 4  # the same on every rank
+    slots, tail = torch.arange(20, 30), torch.tensor([27, 21, 24])
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        store = HiddenStore(layout, 64, dtype, "cpu", shard=Shard(rank, world, _Group(rank, world)))
+        for row, group in enumerate(layout.stored_groups):
+            store.write_hidden(group.first_layer, slots, values[row])
+        rows = store.fetch_tail(tail, HostToDevice("cpu"))
+        results[str(dtype)] = {"bytes": store.hiddens[0, 0].numel() * store.hiddens.element_size(),
+                               "decoded": [store.decode(rows[g.first_layer], torch.float32)
+                                           for g in layout.stored_groups]}
+    torch.save({"values": values[:, tail - 20], "results": results}, f"{out_dir}/store{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_sharded_store_keeps_half_of_each_row_per_rank_and_a_replay_gets_whole_rows(tmp_path):
+    """Issue 63 item 1: at attention TP 2 each rank keeps 1/2 of every stored row (sliced from its replicated value
+    at capture), and a tail's decoded rows are whole on every rank after one all-gather per group: equal to what
+    was written in float32, within the row dtype's rounding otherwise (float8: a scale per rank's part)."""
+    mp.start_processes(_store_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    from tailreplay_sglang.store.codec import SCALE_SLOT
+
+    got = [torch.load(tmp_path / f"store{rank}.pt") for rank in (0, 1)]
+    for dtype, part_bytes, tol in (("torch.float32", 8 * 4, 0), ("torch.bfloat16", 8 * 2, 0.05),
+                                   ("torch.float8_e4m3fn", 8 + SCALE_SLOT, 0.15)):  # half of 16 columns a rank
+        for rank in (0, 1):
+            result = got[rank]["results"][dtype]
+            assert result["bytes"] == part_bytes, (dtype, result["bytes"])
+            for row, decoded in enumerate(result["decoded"]):
+                torch.testing.assert_close(decoded, got[rank]["values"][row], rtol=tol, atol=tol)
 
 
 def _source(obj) -> str:

@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from helpers import EXACT_FLAGS, Spec, generate, start_server, start_servers
+from soak import wait_idle
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -62,6 +63,25 @@ def test_tp2_hits_replay_the_whole_prefix_and_match_hf(tp):
         meta = out["meta_info"]
         assert meta["cached_tokens"] >= min(len(ids) - 1, 17) and meta["tail_replay_tokens"] == meta["cached_tokens"]
         assert out["output_ids"] == greedy_generate(model, ids, NEW)
+
+
+def test_tp2_ranks_each_store_half_of_every_row(tp_servers, tiny_qwen35):
+    """Issue 63 item 1: at TP 2 each rank keeps its half of every stored row (columns 0:32 and 32:64 of 64), sliced
+    from the replicated value at capture, and replays over both halves (the hits above, exact against HF): a rank's
+    store costs half of TP 1's bytes per token but for the token ids (/server_info; the start-up log of each rank)."""
+    import torch
+
+    from tailreplay_sglang.layout import HybridLayout
+    from tailreplay_sglang.store.hidden_store import bytes_per_token
+
+    server = tp_servers["tp"]
+    pools = wait_idle(server.base_url)
+    tp1 = bytes_per_token(HybridLayout.from_model_path(str(tiny_qwen35)), torch.float32)
+    assert pools["hidden_store_shard"] == [0, 2]
+    assert pools["hidden_store_bytes_per_token"] == (tp1 - 8) // 2 + 8 <= 0.55 * tp1
+    log = server.log_path.read_text()
+    for rank, columns in ((0, "0:32"), (1, "32:64")):
+        assert f"columns {columns} of 64 on attention-TP rank {rank} of 2" in log
 
 
 def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp):

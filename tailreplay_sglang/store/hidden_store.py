@@ -13,7 +13,16 @@ Two tiers (`--tail-replay-hidden-tier`):
 
 Rows are kept as `hidden_codec` encodes them (a float dtype, or float8 with a scale per token): reads return the
 encoded rows, and the replay decodes them on the device (`decode`).
+
+Under attention TP (N > 1 ranks replaying the same batch) the residual stream is replicated on every rank, while
+each rank's KV is 1/N of the model's; a whole row on every rank would cost N times what it needs. So each rank keeps
+its 1/N of the columns of every stored row (`Shard`: sliced locally at capture, no communication), and a replay
+joins a group's parts with one all-gather over the attention-TP group before the group replays (`gather_columns`,
+one collective per stored group per pass, in the same order on every rank). Everything that moves rows (HiCache's
+host twin and storage, the host tier, speculative decoding's moves) moves the rank's part as it is.
 """
+
+from dataclasses import dataclass
 
 import logging
 
@@ -30,8 +39,28 @@ TOKEN_ID_BYTES = 8  # int64, what embeddings take
 TOKENS = "tokens"  # fetch key of the tail's token ids (group 0's input); stored groups use their first layer
 
 
-def bytes_per_token(layout: HybridLayout, dtype: torch.dtype) -> int:
-    return bytes_per_token_of(len(layout.stored_groups), layout.hidden_size, dtype)
+@dataclass(frozen=True)
+class Shard:
+    """This rank's columns of every stored row: [rank * width, (rank + 1) * width) of the hidden size."""
+
+    rank: int = 0
+    world: int = 1
+    group: object = None  # SGLang's attention-TP GroupCoordinator, whose all_gather joins the parts
+
+    def width(self, hidden_size: int) -> int:
+        return hidden_size // self.world
+
+    def columns(self, hidden_size: int) -> slice:
+        width = self.width(hidden_size)
+        return slice(self.rank * width, (self.rank + 1) * width)
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        return part if self.world == 1 else self.group.all_gather(part.contiguous(), dim=-1)
+
+
+def bytes_per_token(layout: HybridLayout, dtype: torch.dtype, shards: int = 1) -> int:
+    """Per rank: each of `shards` attention-TP ranks keeps 1/shards of every row."""
+    return bytes_per_token_of(len(layout.stored_groups), layout.hidden_size // shards, dtype)
 
 
 def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -40,21 +69,25 @@ def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype)
 
 
 class HiddenStore:
-    def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device"):
+    def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device",
+                 shard: Shard = Shard()):
         if tier not in HIDDEN_TIERS:
             raise ValueError(f"hidden store tier must be one of {HIDDEN_TIERS}, got {tier!r}")
-        self.layout, self.tier, self.device = layout, tier, torch.device(device)
+        self.layout, self.tier, self.device, self.shard = layout, tier, torch.device(device), shard
+        self._columns = shard.columns(layout.hidden_size)
         self._row = {g.first_layer: i for i, g in enumerate(layout.stored_groups)}
         self.codec = codec_for(dtype)
         where = self.device if tier == "device" else torch.device("cpu")
-        self.hiddens = torch.zeros(len(self._row), num_slots, self.codec.row_width(layout.hidden_size),
+        self.hiddens = torch.zeros(len(self._row), num_slots, self.codec.row_width(shard.width(layout.hidden_size)),
                                    dtype=self.codec.storage_dtype, device=where)
         self.token_ids = torch.zeros(num_slots, dtype=torch.int64, device=where)
         if tier == "host":
             self.hiddens, self.token_ids = pin(self.hiddens), pin(self.token_ids)
         self.write_back = DeviceToHostWriteBack(self.device) if tier == "host" else None
-        logger.info("Tail-Replay hidden store (%s tier): %d slots x %d B/token = %.1f MiB (%d stored groups, %s)",
-                    tier, num_slots, bytes_per_token(layout, dtype), self.nbytes / 2**20, len(self._row), dtype)
+        logger.info("Tail-Replay hidden store (%s tier): %d slots x %d B/token = %.1f MiB (%d stored groups, %s; "
+                    "columns %d:%d of %d on attention-TP rank %d of %d)", tier, num_slots,
+                    bytes_per_token(layout, dtype, shard.world), self.nbytes / 2**20, len(self._row), dtype,
+                    self._columns.start, self._columns.stop, layout.hidden_size, shard.rank, shard.world)
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +107,7 @@ class HiddenStore:
         self._write(self.token_ids, slots, token_ids.to(torch.int64))
 
     def write_hidden(self, first_layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.hiddens[self._row[first_layer]], slots, self.codec.encode(values))
+        self._write(self.hiddens[self._row[first_layer]], slots, self.codec.encode(values[..., self._columns]))
 
     def _write(self, target: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self.write_back is None:
@@ -111,7 +144,8 @@ class HiddenStore:
         return self._read(self.hiddens[self._row[first_layer]], slots)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.codec.decode(rows, dtype)
+        """The values of a tail's encoded rows, whole: this rank's part joined with the other ranks' (`Shard`)."""
+        return self.shard.gather(self.codec.decode(rows, dtype))
 
     def _read(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.write_back is None:
