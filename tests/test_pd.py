@@ -210,7 +210,17 @@ def test_router_returns_an_exact_off_grid_fork_with_its_fields(pd, reference):
         router.stop()
 
 
-def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it(pd):
+# smg's cache_aware policy sends a request whose text matches a worker's tree (above --cache-threshold) to that
+# worker, unless every holder is vetoed at that moment: overload protection, a stalled or wedged worker (no load-poll
+# progress for 2-3 s, plausible on a busy 2-core machine), an open circuit breaker; a retry after a failure records
+# the prefix under a second worker, whose later follow-ups miss. Those vetoes are load shedding this test does not
+# measure, so its router turns them off, and logs at debug level each request's branch (`tree_match`, a fallback,
+# a spill) for a failure to name its cause (clean-clone CI of 5674c68: one follow-up cached less than its document).
+PLACEMENT_ONLY = ("--disable-worker-overload-protection", "--worker-stall-secs", "3600", "--worker-wedge-secs",
+                  "3600", "--disable-circuit-breaker", "--disable-retries", "--log-level", "debug")
+
+
+def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it(pd, tmp_path):
     """Two Tail-Replay prefill servers behind the router's cache_aware prefill policy (smg; sglang-router 0.3.2
     places every prefill at random, see PDRouterProcess). Each document's follow-ups are off-grid forks of its first
     request: they hit only on the prefill server that computed the document (the other never saw it), so every
@@ -220,7 +230,8 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
     for name in ("tr_p", "tr_p2"):
         flush_cache(pd[name].base_url)
     router = PDRouterProcess(prefills=tuple((pd[name].base_url, pd.bootstrap[name]) for name in ("tr_p", "tr_p2")),
-                             decodes=(pd["stock_d"].base_url,)).start()
+                             decodes=(pd["stock_d"].base_url,), extra_args=PLACEMENT_ONLY,
+                             log_path=tmp_path / "router.log").start()
     try:
         router.wait_healthy(120)
         documents = document_clients(clients=4, requests=3, system_words=300, seed=70)
@@ -236,7 +247,8 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
             for question in questions[1:]:
                 meta = ask(f"{prefix}\nQuestion: {question}")
                 # the shared part is the first request's prompt less its question (under 16 tokens)
-                assert meta["cached_tokens"] >= first["prompt_tokens"] - 16, (question, meta, first)
+                assert meta["cached_tokens"] >= first["prompt_tokens"] - 16, (
+                    question, meta, first, (tmp_path / "router.log").read_text()[-3000:])
     finally:
         router.stop()
     held = {name: wait_idle(pd[name].base_url)["tree_evictable"] for name in ("tr_p", "tr_p2")}
