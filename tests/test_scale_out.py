@@ -7,8 +7,9 @@ allows no more ranks than NUMA nodes (one here).
 import psutil
 import pytest
 
-from helpers import EXACT_FLAGS, Spec, generate, start_server, start_servers
-from soak import wait_idle
+from helpers import (CONTEXT, QUESTION, EXACT_FLAGS, Spec, assert_exact, generate, hicache_spec, no_cache, random_ids,
+                     scored, start_server, start_servers)
+from soak import pools, wait_idle
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -82,6 +83,37 @@ def test_tp2_ranks_each_store_half_of_every_row(tp_servers, tiny_qwen35):
     log = server.log_path.read_text()
     for rank, columns in ((0, "0:32"), (1, "32:64")):
         assert f"columns {columns} of 64 on attention-TP rank {rank} of 2" in log
+
+
+@pytest.fixture(scope="module")
+def tp_hicache_server(tiny_qwen35, tmp_path_factory):
+    """TP 2 with HiCache's host tier and Tail-Replay's defaults (anchored replay): each rank's host twin holds its
+    half of the hidden rows."""
+    spec = hicache_spec(tiny_qwen35, None, False, "--enable-tail-replay", "--tp-size", "2")
+    yield from start_servers(tmp_path_factory, {"tp_hicache": Spec(spec.model_path, spec.args, env=TWO_RANKS,
+                                                                   kwargs=spec.kwargs)})
+
+
+def test_tp2_host_tier_hits_over_the_sharded_store_are_exact(tp_hicache_server):
+    """Issue 63 item 1: at TP 2 a context pushed out to HiCache's host tier is hit at 650 (replayed from an anchor
+    over hidden rows each rank loads back as its half) and 333 (from the root), each exact against the server's
+    no-cache prefill."""
+    srv = tp_hicache_server["tp_hicache"]
+    assert pools(srv.base_url)["hidden_store_shard"] == [0, 2]
+    context = random_ids(CONTEXT, seed=171)
+    generate(srv, context, 1)
+    hits = []
+    for cut in (650, 333):
+        for i in range(3):  # 2,100 tokens through the 1,200-token device pool: the context goes to the host
+            generate(srv, random_ids(CONTEXT, seed=1100 + cut + i), 1)
+        prompt = context[:cut] + random_ids(QUESTION, seed=172 + cut)
+        hit = scored(srv, prompt, cut)
+        meta = hit["meta"]
+        assert meta["cached_tokens"] == cut and meta["cached_tokens_details"]["host"] > 0, meta
+        assert meta["tail_replay_exact"] is True and meta["tail_replay_tokens"] > 0, meta
+        hits.append((cut, prompt, hit))
+    for cut, prompt, hit in hits:  # references last: a flush empties the host tier too
+        assert_exact(hit, no_cache(srv, prompt, cut, extra_key=f"no-cache tp2 {cut}"))
 
 
 def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp):
