@@ -4,6 +4,8 @@ where each formula comes from is that module's docstring (below, in --help).
     python bench/memory.py [--preset small | --model-path M] [--server-args "--dtype float32 --enable-tail-replay"]
     python bench/memory.py --all      # one table: the presets and the real models (memory.ALL_MODELS)
     python bench/memory.py --all --json runs/memory.json
+    python bench/memory.py --per-rank # per attention-TP rank at TP 1/2/4/8, device and host tier, bf16 and float8
+                                      # store, sharded and replicated (memory.PER_RANK_MODELS); JSON in runs/
 """
 
 import argparse
@@ -16,7 +18,10 @@ from rich.console import Console
 
 from tailreplay_eval import memory
 from tailreplay_eval.memory import (ALL_DEFAULT_ARGS, ALL_MODELS, ANCHOR_INTERVALS, CHUNK_TOKENS, HAND_WRITTEN_NOTE,
-                                    _size, account, all_table, prefix_cost, table)
+                                    PER_RANK_HIDDEN_DTYPES, PER_RANK_MODELS, PER_RANK_NOTE, PER_RANK_TIERS, TP_SIZES,
+                                    _size, account, all_table, per_rank_rows, per_rank_table, prefix_cost, table)
+
+PER_RANK_JSON = "runs/memory_per_rank.json"
 
 
 def _write_json(data, where: str | None) -> None:
@@ -40,9 +45,16 @@ def main(argv=None):
                     help=f"anchor intervals N to amortise a slot over (default: --tail-replay-anchor-interval if "
                          f"given in --server-args, else {' '.join(map(str, ANCHOR_INTERVALS))})")
     ap.add_argument("--prefix-tokens", type=int, default=16384, help="example prefix for the cost comparison")
+    ap.add_argument("--per-rank", action="store_true",
+                    help=f"per attention-TP rank: one table per tier and hidden dtype for {', '.join(PER_RANK_MODELS)}"
+                         f" (JSON: --json, default {PER_RANK_JSON})")
+    ap.add_argument("--tp", type=int, nargs="+", default=list(TP_SIZES),
+                    help=f"attention-TP sizes for --per-rank (default {' '.join(map(str, TP_SIZES))})")
     ap.add_argument("--json", help="write the accounting as JSON to this file ('-': stdout)")
     args = ap.parse_args(argv)
     console = Console(width=150)
+    if args.per_rank:
+        return per_rank(console, args.tp, args.json or str(memory.ROOT / PER_RANK_JSON))
     if args.all:
         console = Console(width=180)
         accs = [account(name, shlex.split(args.server_args or ALL_DEFAULT_ARGS[name]), args.intervals)
@@ -74,6 +86,18 @@ def main(argv=None):
     _write_json({**acc, "prefix_cost": {"tokens": args.prefix_tokens, "checkpoints": checkpoints, **cost}},
                 args.json)
     return acc
+
+
+def per_rank(console: Console, tps: list[int], where: str) -> list[dict]:
+    rows = per_rank_rows(tps=tps)
+    for tier in PER_RANK_TIERS:
+        for dtype in PER_RANK_HIDDEN_DTYPES:
+            part = [r for r in rows if r["tier"] == tier and r["hidden_dtype"] == dtype]
+            console.print(per_rank_table(part, f"bytes per cached token per attention-TP rank: {tier} tier, "
+                                               f"{dtype} hidden store"))
+    console.print(f"{PER_RANK_NOTE}. * {HAND_WRITTEN_NOTE}.")
+    _write_json({"note": PER_RANK_NOTE, "shapes": HAND_WRITTEN_NOTE, "tp_sizes": tps, "rows": rows}, where)
+    return rows
 
 
 if __name__ == "__main__":

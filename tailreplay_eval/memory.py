@@ -25,8 +25,10 @@ The formulas are SGLang 0.5.23's own pool sizing, restated so that no server or 
 otherwise), the serving dtype of `configs/model_config._get_and_verify_dtype` (`--dtype auto`: the checkpoint's
 dtype, float16 for a float32 checkpoint), the KV dtype of `mem_cache/kv_cache_dtype.configure_kv_cache_dtype`
 (`--kv-cache-dtype auto`: the serving dtype) and the per-token KV cell of `DefaultPoolConfigurator._compute_cell_size`
-(K and V of every FA layer; MLA's latent for Kimi Linear). All at TP 1. The server log shows the same numbers:
-`Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ... ssm_state size`.
+(K and V of every FA layer; MLA's latent for Kimi Linear). All at TP 1, except `account_per_rank`
+(`bench/memory.py --per-rank`): one attention-TP rank's KV heads, states and hidden-store part. The server log shows
+the same numbers: `Tail-Replay: KV cell ... B/token + hidden store ... B/token` and `Mamba Cache is allocated ...
+ssm_state size`.
 
 Qwen3.5-4B, Qwen3.6-27B, Nemotron-H-8B and Granite-4.0-H-Small are not read from the hub: their shapes are written
 by hand below (`HAND_WRITTEN`), as we know them from the published configs. A Mamba2 model's (Nemotron-H,
@@ -350,36 +352,60 @@ def _kda_dims(config: dict) -> tuple[int, int, int] | None:
     return None
 
 
-def _recurrent_shape(config: dict) -> tuple[int, int, int]:
-    """(conv channels, conv width, SSM state values) of one recurrent layer: GDN's over q | k | v with [HV, V, K]
-    states, KDA's over q | k | v with [heads, head_dim, head_dim] states, Bailing's lightning layers' [heads,
-    head_dim, head_dim] states without a conv, or Mamba2's over x | B | C with [heads, head_dim, state] states
-    (Nemotron-H's or Granite's names)."""
+def _mamba2_form(config: dict) -> tuple[int, int, int, int, int, int]:
+    """(intermediate size, groups, heads, head dim, state size, conv width) of one recurrent layer, in the terms of
+    SGLang's `Mamba2StateShape.create` (conv over intermediate | B | C with 2 x groups x state, SSM [heads, head dim,
+    state]): GDN's (configs/qwen3_next.py: intermediate V x HV, groups HK, state K), KDA's (KimiLinearStateShape's
+    q | k | v conv over heads x head_dim each = groups of heads, state head_dim), Bailing's lightning layers' (no
+    conv), or Mamba2's (Nemotron-H's or Granite's names)."""
     if kda := _kda_dims(config):
         heads, head_dim, conv_width = kda
-        return 3 * heads * head_dim, conv_width, heads * head_dim * head_dim
+        return heads * head_dim, heads, heads, head_dim, head_dim, conv_width
     if "layer_group_size" in config:  # BailingHybridConfig.mamba2_cache_params without KDA: conv_kernel 1
-        return 0, 1, config["num_attention_heads"] * config["head_dim"] ** 2
+        return 0, 0, config["num_attention_heads"], config["head_dim"], config["head_dim"], 1
     if "linear_num_key_heads" in config:
-        key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-        key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
-        return (value_heads * value_dim + 2 * key_heads * key_dim, config["linear_conv_kernel_dim"],
-                value_heads * value_dim * key_dim)
+        value_heads, value_dim = config["linear_num_value_heads"], config["linear_value_head_dim"]
+        return (value_heads * value_dim, config["linear_num_key_heads"], value_heads, value_dim,
+                config["linear_key_head_dim"], config["linear_conv_kernel_dim"])
     heads = config.get("mamba_num_heads") or config["mamba_n_heads"]
     head_dim = config.get("mamba_head_dim") or config["mamba_d_head"]
     groups = config.get("n_groups") or config.get("mamba_n_groups") or 1
     state = config.get("ssm_state_size") or config["mamba_d_state"]
     width = config.get("conv_kernel") or config.get("mamba_d_conv") or 4
-    return heads * head_dim + 2 * groups * state, width, heads * head_dim * state
+    return heads * head_dim, groups, heads, head_dim, state, width
 
 
-def kv_values_per_layer(config: dict) -> int:
-    """KV values one FA layer keeps per token: K and V of every KV head, or MLA's compressed latent and shared rope
-    key (Kimi Linear: SGLang's MLA pool keeps kv_lora_rank + qk_rope_head_dim)."""
+def _divide(n: int, tp: int) -> int:
+    """n / tp, which must be whole (SGLang's `distributed.utils.divide`)."""
+    if n % tp:
+        raise ValueError(f"{n} is not divisible by TP {tp}")
+    return n // tp
+
+
+def _recurrent_shape(config: dict, tp: int = 1) -> tuple[int, int, int]:
+    """(conv channels, conv width, SSM state values) of one recurrent layer on one of `tp` attention-TP ranks, as
+    `Mamba2StateShape.create(tp_world_size=tp)` shards them (configs/mamba_utils.py:195-230): heads and conv channels
+    split over the ranks, groups that do not split extended to tp first (`extra_groups_for_head_shards`: Granite's
+    one group is replicated on every rank). KDA's shape (KimiLinearStateShape.create, :324-349) splits the same way."""
+    intermediate, groups, heads, head_dim, state, width = _mamba2_form(config)
+    groups += 0 if groups % tp == 0 else tp - groups
+    return _divide(intermediate + 2 * groups * state, tp), width, _divide(heads, tp) * head_dim * state
+
+
+def kv_heads_per_rank(config: dict, tp: int = 1) -> int:
+    """KV heads one of `tp` attention-TP ranks keeps: SGLang's `ModelConfig.get_num_kv_heads` (configs/
+    model_config.py:1700-1711), max(1, heads // tp): replicated where there are fewer heads than ranks."""
+    return max(1, config["num_key_value_heads"] // tp)
+
+
+def kv_values_per_layer(config: dict, tp: int = 1) -> int:
+    """KV values one FA layer keeps per token on one of `tp` attention-TP ranks: K and V of the rank's KV heads, or
+    MLA's compressed latent and shared rope key (Kimi Linear: SGLang's MLA pool keeps kv_lora_rank +
+    qk_rope_head_dim), which every rank keeps whole (`_compute_cell_size`'s MLA branch has no TP term)."""
     if config.get("kv_lora_rank"):
         return config["kv_lora_rank"] + config["qk_rope_head_dim"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # OLMo: no head_dim
-    return 2 * config["num_key_value_heads"] * head_dim
+    return 2 * kv_heads_per_rank(config, tp) * head_dim
 
 
 def indexer_bytes_per_token(config: dict, n_fa: int) -> int:
@@ -418,9 +444,10 @@ def attn_res_bank_rows(config: dict, stored_first_layers: tuple[int, ...]) -> in
     return -(-max(stored_first_layers) // block) - 1
 
 
-def mamba_slot_bytes(config: dict, n_gdn_layers: int) -> dict:
-    """Bytes of one mamba slot (SGLang's `mamba_cache_per_req` at TP 1), split into conv and SSM states."""
-    conv_dim, width, ssm_values = _recurrent_shape(config)
+def mamba_slot_bytes(config: dict, n_gdn_layers: int, tp: int = 1) -> dict:
+    """Bytes of one mamba slot on one of `tp` attention-TP ranks (SGLang's `mamba_cache_per_req`), split into conv
+    and SSM states."""
+    conv_dim, width, ssm_values = _recurrent_shape(config, tp)
     conv_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_CONV_DTYPE", "bfloat16")]
     ssm_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_SSM_DTYPE") or config.get("mamba_ssm_dtype") or "float32"]
     conv = conv_dim * (width - 1) * conv_dtype.itemsize
@@ -654,3 +681,112 @@ def prefix_cost(acc: dict, tokens: int, checkpoints: int) -> dict:
         anchored[row["interval"]] = {"anchors": n, "bytes": paper + n * slot}
     return {"stock_bytes": tokens * acc["fa_kv_bytes_per_token"] + checkpoints * slot,
             "tail_replay_bytes": paper, "tail_replay_anchored": anchored}
+
+
+# ---- per attention-TP rank (bench/memory.py --per-rank) ----
+
+PER_RANK_MODELS = ("Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-Small", "Kimi-Linear-48B-A3B",
+                   *FRONTIER)
+TP_SIZES = (1, 2, 4, 8)
+PER_RANK_TIERS = ("device", "host")
+PER_RANK_HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
+PER_RANK_NOTE = (
+    "Per cached token on ONE attention-TP rank, served at --dtype auto (bfloat16 KV), computed from the shapes "
+    "(not measured). KV: K and V of max(1, kv_heads // TP) heads (SGLang's get_num_kv_heads: replicated where "
+    "there are fewer heads than ranks); an MLA latent and the sparse-attention indexer caches (QSA, DSA) whole on "
+    "every rank. Slot: one mamba slot (= one anchor) on the rank, conv and SSM states split over TP as SGLang's "
+    "Mamba2StateShape / KimiLinearStateShape do. Store, sharded: each rank keeps hidden/TP columns of every stored "
+    "row (+ 8 B token id; float8: + 8 B scale slot per row), whole rows where the hidden size does not split and "
+    "for MLA models with a HiCache storage backend (= the replicated column). Store, replicated: whole rows on "
+    "every rank, as before sharding. Host tier: the store in host memory, the device holds the KV (+ indexer) "
+    "alone. fit = tokens a rank's pool holds at equal device memory, as a share of stock's. Projection: a model "
+    "Tail-Replay refuses; its store would keep every hyper-connection stream (and Kimi K3's bank rows)")
+
+
+def store_shards(config: dict, tp: int, hicache_storage: bool = False) -> int:
+    """Ranks the hidden store's rows split over (`lifecycle.store_shard`): all `tp` attention-TP ranks, or 1 (whole
+    rows) where the hidden size does not split evenly, and for an MLA model with a HiCache storage backend."""
+    whole = config["hidden_size"] % tp or (hicache_storage and config.get("kv_lora_rank"))
+    return 1 if whole else tp
+
+
+def _store_rows(config: dict, stored: tuple[int, ...]) -> int:
+    """Hidden-wide rows stored per token: every residual stream of each stored group's input, and banked rows."""
+    return len(stored) * residual_streams(config) + attn_res_bank_rows(config, stored)
+
+
+def _placed(stock: int, store: int, tier: str) -> dict:
+    """Device and host bytes per token of a Tail-Replay rank whose store costs `store`, and the tokens that fit at
+    equal device memory against stock's `stock`."""
+    device = stock + (store if tier == "device" else 0)
+    return {"store_bytes_per_token": store, "device_bytes_per_token": device,
+            "host_bytes_per_token": store if tier == "host" else 0, "tokens_that_fit": stock / device}
+
+
+def account_per_rank(model, tp: int, tier: str = "device", hidden_dtype: str = "bfloat16",
+                     hicache_storage: bool = False) -> dict:
+    """Memory per cached token on one of `tp` attention-TP ranks, `--dtype auto`, the store on `tier` in
+    `hidden_dtype`: stock (KV + indexer on the device), Tail-Replay with the store sharded over the ranks (as
+    served) and replicated (every rank whole rows, as before), and one mamba slot on the rank."""
+    name, config, source = resolve_model(model)
+    flags = ["--dtype", "auto"]
+    n_fa, n_gdn, stored = _layer_counts(config)
+    kv = n_fa * kv_values_per_layer(config, tp) * kv_dtype(config, flags).itemsize
+    indexer = indexer_bytes_per_token(config, n_fa)
+    rows, dtype, hidden = _store_rows(config, stored), getattr(torch, hidden_dtype), config["hidden_size"]
+    shards = store_shards(config, tp, hicache_storage)
+    stock = kv + indexer
+    mla = bool(config.get("kv_lora_rank"))
+    return {
+        "model": name, "config_source": source, "projection": _refusal(config) is not None, "tp": tp,
+        "tier": tier, "hidden_dtype": hidden_dtype, "kv_dtype": _dtype_name(kv_dtype(config, flags)),
+        "fa_layers": n_fa, "recurrent_layers": n_gdn, "stored_rows": rows,
+        "fa_kv_kind": "MLA latent (replicated)" if mla else "K and V",
+        "kv_heads_per_rank": None if mla else kv_heads_per_rank(config, tp),
+        "kv_heads": None if mla else config["num_key_value_heads"],
+        "fa_kv_bytes_per_token": kv, "indexer_bytes_per_token": indexer,
+        "mamba_slot_bytes": mamba_slot_bytes(config, n_gdn, tp)["total_bytes"], "store_shards": shards,
+        "stock": {"device_bytes_per_token": stock, "host_bytes_per_token": 0},
+        "sharded": _placed(stock, hidden_store.bytes_per_token_of(rows, hidden // shards, dtype), tier),
+        "replicated": _placed(stock, hidden_store.bytes_per_token_of(rows, hidden, dtype), tier),
+    }
+
+
+def per_rank_rows(models=PER_RANK_MODELS, tps=TP_SIZES, tiers=PER_RANK_TIERS,
+                  hidden_dtypes=PER_RANK_HIDDEN_DTYPES) -> list[dict]:
+    return [account_per_rank(m, tp, tier, dtype)
+            for tier in tiers for dtype in hidden_dtypes for m in models for tp in tps]
+
+
+def _kv_cell(row: dict) -> str:
+    heads = ("MLA, replicated" if row["kv_heads"] is None
+             else f"{row['kv_heads_per_rank']} of {row['kv_heads']} heads")
+    idx = f"\n+{_size(row['indexer_bytes_per_token'])} idx" if row["indexer_bytes_per_token"] else ""
+    return f"{_size(row['fa_kv_bytes_per_token'])}{idx}\n{heads}"
+
+
+def per_rank_table(rows: list[dict], title: str) -> Table:
+    """One line per model and TP size: the rank's KV, slot and store, and its device and host bytes per token
+    (Tail-Replay sharded / replicated, stock) and the tokens that fit against stock."""
+    t = Table(title=title)
+    t.add_column("model", no_wrap=True)
+    t.add_column("TP", justify="right")
+    t.add_column("KV / rank", justify="right")
+    t.add_column("slot /\nrank", justify="right")
+    t.add_column("store / rank\nsharded\nreplicated", justify="right")
+    t.add_column("device / token\nsharded\nreplicated\nstock", justify="right")
+    t.add_column("host / token\nsharded\nreplicated", justify="right")
+    t.add_column("fit vs stock\nsharded\nreplicated", justify="right")
+    last_tp = max(row["tp"] for row in rows)
+    for row in rows:
+        sharded, replicated = row["sharded"], row["replicated"]
+        t.add_row(f"{row['model']}{' (projection)' if row['projection'] else ''}", str(row["tp"]), _kv_cell(row),
+                  _size(row["mamba_slot_bytes"]),
+                  f"{_size(sharded['store_bytes_per_token'])}\n{_size(replicated['store_bytes_per_token'])}",
+                  "\n".join(_size(b) for b in (sharded["device_bytes_per_token"],
+                                               replicated["device_bytes_per_token"],
+                                               row["stock"]["device_bytes_per_token"])),
+                  f"{_size(sharded['host_bytes_per_token'])}\n{_size(replicated['host_bytes_per_token'])}",
+                  f"{sharded['tokens_that_fit']:.1%}\n{replicated['tokens_that_fit']:.1%}",
+                  end_section=row["tp"] == last_tp)
+    return t

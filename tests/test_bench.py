@@ -344,8 +344,9 @@ def test_profile_attributes_samples_to_the_innermost_plugin_module():
 
 # ---- bench/memory.py (tailreplay_eval/memory.py): computed from configs, no server ----
 
-def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
-    """One mamba slot as SGLang 0.5.23 sizes it at TP 1: Qwen3NextConfig.mamba2_cache_params for GDN models,
+def _sglang_slot_bytes(config: dict, n_gdn: int, tp: int = 1) -> int:
+    """One mamba slot as SGLang 0.5.23 sizes it on one of `tp` attention-TP ranks: Qwen3NextConfig.mamba2_cache_params
+    for GDN models,
     NemotronHConfig's / GraniteMoeHybridConfig's for Mamba2 ones (their names for the same shape), KimiLinearConfig's
     for Kimi Linear."""
     from sglang.srt.configs.mamba_utils import (KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams,
@@ -353,13 +354,13 @@ def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
 
     if "linear_attn_config" in config:
         kda = config["linear_attn_config"]
-        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=kda["num_heads"], head_dim=kda["head_dim"],
+        shape = KimiLinearStateShape.create(tp_world_size=tp, num_heads=kda["num_heads"], head_dim=kda["head_dim"],
                                             conv_kernel_size=kda["short_conv_kernel_size"])
         return KimiLinearCacheParams(shape=shape, layers=list(range(n_gdn)),
                                      dtype=mamba2_state_dtype(None)).mamba_cache_per_req
     if "linear_num_key_heads" in config:
         shape = Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
+            tp_world_size=tp, intermediate_size=config["linear_value_head_dim"] * config["linear_num_value_heads"],
             n_groups=config["linear_num_key_heads"], num_heads=config["linear_num_value_heads"],
             head_dim=config["linear_value_head_dim"], state_size=config["linear_key_head_dim"],
             conv_kernel=config["linear_conv_kernel_dim"])
@@ -367,7 +368,7 @@ def _sglang_slot_bytes(config: dict, n_gdn: int) -> int:
         heads = config.get("mamba_num_heads") or config["mamba_n_heads"]
         head_dim = config.get("mamba_head_dim") or config["mamba_d_head"]
         shape = Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=heads * head_dim,
+            tp_world_size=tp, intermediate_size=heads * head_dim,
             n_groups=config.get("n_groups") or config["mamba_n_groups"], num_heads=heads, head_dim=head_dim,
             state_size=config.get("ssm_state_size") or config["mamba_d_state"],
             conv_kernel=config.get("conv_kernel") or config["mamba_d_conv"])
@@ -557,6 +558,80 @@ def test_memory_all_table_and_json(tmp_path):
     assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"]) == (7, 20, 6)
     assert kimi["fa_kv_bytes_per_token"] == 7 * (512 + 64) * 2
     assert [m["model"] for m in data["models"] if "refused" in m] == ["Falcon-H1-7B", *memory.FRONTIER]
+
+
+PER_RANK_SERVED = [m for m in memory.PER_RANK_MODELS if m not in memory.FRONTIER]
+
+
+def test_memory_per_rank_shards_the_store_and_follows_sglangs_kv_and_state_sharding(monkeypatch):
+    """Per attention-TP rank: the sharded bf16 store at TP 2 is about half of TP 1's (only the 8-byte token id stays
+    whole); the host tier's device bytes are the KV (+ indexer) alone; a replicated store costs the same at every
+    TP. The rank's KV heads are SGLang's get_num_kv_heads (an MLA latent whole on every rank) and its mamba slot
+    SGLang's state shapes at that TP (Granite's one group extended to TP, as SGLang does)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    for model in ("Qwen3.5-4B", "Qwen3.6-27B"):
+        one, two = (memory.account_per_rank(model, tp)["sharded"]["store_bytes_per_token"] for tp in (1, 2))
+        assert two <= 0.55 * one
+    two = memory.account_per_rank("Qwen3.6-27B", 2)
+    assert two["sharded"]["store_bytes_per_token"] == 15 * 5120 // 2 * 2 + 8  # 15 stored groups, 2560 columns
+    assert two["fa_kv_bytes_per_token"] == 16 * 2 * 2 * 256 * 2  # 2 of 4 KV heads on each of 2 ranks
+    for model in memory.PER_RANK_MODELS:
+        _, config, _ = memory.resolve_model(model)
+        tp_1 = memory.account(model, ["--dtype", "auto"])
+        for dtype in memory.PER_RANK_HIDDEN_DTYPES:
+            rows = {(tier, tp): memory.account_per_rank(model, tp, tier, dtype)
+                    for tier in memory.PER_RANK_TIERS for tp in memory.TP_SIZES}
+            replicated = {row["replicated"]["store_bytes_per_token"] for row in rows.values()}
+            assert len(replicated) == 1  # independent of TP (and of the tier)
+            if dtype == "bfloat16":
+                assert replicated == {tp_1["tail_replay_hidden_bytes_per_token"]}
+            for (tier, tp), row in rows.items():
+                stock = row["stock"]["device_bytes_per_token"]
+                assert stock == row["fa_kv_bytes_per_token"] + row["indexer_bytes_per_token"]
+                assert row["indexer_bytes_per_token"] == tp_1["indexer_bytes_per_token"]  # QSA / DSA: whole
+                width = config["hidden_size"] // tp
+                assert row["sharded"]["store_bytes_per_token"] == row["stored_rows"] * (
+                    width * 2 if dtype == "bfloat16" else width + 8) + 8
+                for store in ("sharded", "replicated"):
+                    placed = row[store]
+                    if tier == "host":
+                        assert placed["device_bytes_per_token"] == stock and placed["tokens_that_fit"] == 1
+                        assert placed["host_bytes_per_token"] == placed["store_bytes_per_token"]
+                    else:
+                        assert placed["device_bytes_per_token"] == stock + placed["store_bytes_per_token"]
+                        assert placed["host_bytes_per_token"] == 0
+                if tier == "host" and model in PER_RANK_SERVED:
+                    assert row["sharded"]["device_bytes_per_token"] == row["fa_kv_bytes_per_token"]  # the KV alone
+                if config.get("kv_lora_rank"):
+                    assert row["fa_kv_bytes_per_token"] == tp_1["fa_kv_bytes_per_token"]
+                else:
+                    sglang = SimpleNamespace(get_total_num_kv_heads=lambda: config["num_key_value_heads"],
+                                             is_draft_model=False)
+                    heads = ModelConfig.get_num_kv_heads(sglang, tp)
+                    assert row["fa_kv_bytes_per_token"] == tp_1["fa_kv_bytes_per_token"] // config[
+                        "num_key_value_heads"] * heads
+                if model in PER_RANK_SERVED:
+                    assert row["mamba_slot_bytes"] == _sglang_slot_bytes(config, row["recurrent_layers"], tp)
+                else:
+                    assert row["mamba_slot_bytes"] == tp_1["mamba_slot"]["total_bytes"] // tp
+    # Whole rows where the hidden size does not split, and for an MLA model with a HiCache storage backend
+    assert memory.store_shards({"hidden_size": 2560}, 3) == 1
+    assert memory.store_shards(memory.HAND_WRITTEN["Kimi-Linear-48B-A3B"], 2, hicache_storage=True) == 1
+    assert memory.store_shards(memory.HAND_WRITTEN["Qwen3.6-27B"], 2, hicache_storage=True) == 2
+
+
+def test_memory_per_rank_table_and_json(tmp_path):
+    out = tmp_path / "per_rank.json"
+    rows = load_bench("memory").main(["--per-rank", "--tp", "1", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
+    assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 2
+    assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER)
+    assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED)
+    assert "not measured" in data["note"]
 
 
 def test_image_chat_shapes_and_summary():
