@@ -59,8 +59,11 @@ def store_shard(model_config, hidden_size: int) -> Shard:
     rank (its latent KV is replicated), so the ranks' parts would overwrite each other's."""
     from sglang.srt.runtime_context import get_memory, get_parallel
 
-    parallel = get_parallel()
-    world = parallel.attn_tp_size
+    try:
+        parallel = get_parallel()
+        world = parallel.attn_tp_size
+    except (ValueError, RuntimeError):  # no parallel context published: outside a scheduler (tools, tests)
+        return Shard()
     mla = getattr(getattr(model_config, "attention_arch", None), "name", "") == "MLA"
     if world == 1 or hidden_size % world or (mla and get_memory().hicache_storage_backend):
         return Shard()
