@@ -124,6 +124,14 @@ RUNTIME = (
          f"{_PKG}.lifecycle:move_hidden_rows",
          "speculative decoding with a draft tree moves the accepted tokens' KV to other slots: their hidden rows "
          "follow", bound=True),
+    Hook(f"{_SRT}.managers.scheduler_components.dp_attn.MLPSyncBatchInfo._get_local_tensor", "after",
+         f"{_PKG}.dp_attention:mark_replay_in_sync_row",
+         "under attention DP, the row of per-rank figures SGLang gathers at every step: a rank with a replay pending "
+         "marks it, so every rank learns from SGLang's own gather whether the step needs the row exchange",
+         bound=True),
+    Hook(f"{_SRT}.managers.scheduler_components.dp_attn.MLPSyncBatchInfo.all_gather", "after",
+         f"{_PKG}.dp_attention:note_replay_in_step",
+         "the gathered rows, the same on every rank: whether any rank replays this step", bound=True),
     Hook(f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_extend", "after",
          f"{_PKG}.lifecycle:mark_pending",
          "the first point where a matched Req has its request-pool row and final prefix_len: the hit becomes a "

@@ -187,15 +187,15 @@ def replay_after_clear(runtime: TailReplayRuntime, result, runner, forward_batch
     if runtime.store is None or getattr(runner, "is_draft_worker", False):
         return result  # a draft model's forwards replay nothing: its MTP layers keep no recurrent state
     if not forward_batch.forward_mode.is_extend():
-        if dp_attention.must_exchange(forward_batch):  # another rank's replay pass: take part (no rows of ours)
+        if dp_attention.must_exchange(forward_batch, runtime.replay_in_step):  # another rank's pass: take part
             replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending,
-                               runtime.config, runtime.metrics)
+                               runtime.config, runtime.metrics, runtime.replay_in_step)
         return result
     runtime.staged_anchors.restore_host(runtime.host_anchors, runner.req_to_token_pool)
     anchors = runtime.interval_anchors
     with anchors.paused() if anchors is not None else contextlib.nullcontext():
         replay.run_pending(runner, forward_batch, runtime.store, runtime.family, runtime.pending, runtime.config,
-                           runtime.metrics)
+                           runtime.metrics, runtime.replay_in_step)
     return result
 
 

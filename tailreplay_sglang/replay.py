@@ -142,10 +142,10 @@ def pool_rows_of(forward_batch) -> list[int]:
 
 
 def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pending: PendingReplays,
-                config: TailReplayConfig, metrics=None) -> ReplayBatch | None:
+                config: TailReplayConfig, metrics=None, replay_in_step: bool = True) -> ReplayBatch | None:
     """The replay pass of the batch's hits, before its extend. Under attention DP every rank comes here at every
     forward of a step in which any rank extends, and takes part in any rank's pass (`dp_attention.py`)."""
-    exchanging = dp_attention.must_exchange(forward_batch)
+    exchanging = dp_attention.must_exchange(forward_batch, replay_in_step)
     if not len(pending) and not exchanging:  # no hit since the last forward: nothing to do, nothing read
         return None
     batch = _plan_pending(runner, forward_batch, pending, config, metrics) if forward_batch.forward_mode.is_extend() \

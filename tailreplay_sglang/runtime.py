@@ -53,6 +53,9 @@ class TailReplayRuntime:
     hicache_anchor_backups: int = 0  # anchors copied to HiCache's host mamba pool by the plugin (`component.py`)
     hicache_anchor_hits: int = 0  # hits that started from a state in HiCache's host mamba pool
     decode_reused_tokens: int = 0  # PD decode server: KV tokens its radix cache matched (not sent by the prefill)
+    # Under attention DP: whether any rank replays in this scheduling step, from SGLang's MLP-sync gather
+    # (`dp_attention.note_replay_in_step`); True until a gather says otherwise
+    replay_in_step: bool = True
 
     @classmethod
     def for_scheduler(cls, config: TailReplayConfig) -> "TailReplayRuntime":

@@ -35,6 +35,7 @@ HICACHE_HOST_HITS = "tests/test_hicache_tail_replay.py::test_host_hits_are_exact
 STORED_ANCHOR_HITS = ("tests/test_hicache_tail_replay.py::test_second_server_hits_the_file_tier_off_grid",
                       "tests/test_mooncake_store.py::test_tail_replay_servers_hit_the_store_off_grid")
 # The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
+E_TEST = "tests/test_dp_collectives.py::test_steps_without_a_replay_anywhere_skip_the_row_exchange"
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
@@ -221,6 +222,12 @@ MUTANTS = (
            "tailreplay_sglang/cache/decode_component.py",
            "        return lambda node: not is_tainted(node)",
            "        return lambda node: not getattr(node, TAINT_ATTR, False)", (PROPERTIES,)),
+    Mutant("E-mark", "a rank with a replay pending does not mark SGLang's MLP-sync row (steps with a replay skip the "
+           "exchange)", "tailreplay_sglang/dp_attention.py", "        row[EXTEND_COLUMN] += REPLAY_MARK",
+           "        pass", (E_TEST,)),
+    Mutant("E-read", "every extend step exchanges rows, replay or not (review E)", "tailreplay_sglang/dp_attention.py",
+           "    runtime.replay_in_step = gathered is None or int(gathered[:, EXTEND_COLUMN].max()) >= REPLAY_MARK",
+           "    runtime.replay_in_step = True", (E_TEST,)),
     Mutant("commit", "a state read from storage is committed at the hit's last node, not at its own depth",
            "tailreplay_sglang/cache/component.py",
            "        pointed = dataclasses.replace(inserted, inserted_host_node=at_depth.id)",

@@ -172,3 +172,34 @@ def test_every_eager_forward_passes_the_replay_point():
     before = forward[:replay_point]
     assert before.count("return ") == 1
     assert before.index("if can_run_graph:") < before.index("return ") < before.index("_prepare_eager_forward_batch")
+
+
+def test_steps_without_a_replay_anywhere_skip_the_row_exchange():
+    """Review E: a rank with a replay pending marks its entry of SGLang's per-step MLP-sync row (column 3,
+    `is_extend_in_batch`), SGLang still reduces that column to "some rank extends", and every rank reads from the
+    same gathered rows whether any rank replays: the exchange runs in those steps only."""
+    from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo
+
+    from tailreplay_sglang import dp_attention
+
+    def row(extending: bool, pending: int):
+        info = MLPSyncBatchInfo(num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=7, num_tokens_for_logprob=7,
+                                can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=False,
+                                can_run_prefill_cuda_graph=False, is_extend_in_batch=extending,
+                                local_can_run_tbo=False, local_forward_mode=1)
+        local = info._get_local_tensor(device="cpu")
+        assert local[dp_attention.EXTEND_COLUMN] == int(extending)  # the column SGLang reduces by a max
+        return dp_attention.mark_replay_in_sync_row(SimpleNamespace(pending=[None] * pending), local, info)
+
+    for rows, extends, replays in (((row(True, 1), row(False, 0)), True, True),
+                                   ((row(True, 0), row(True, 0)), True, False),
+                                   ((row(False, 3), row(False, 0)), False, False),  # a stale entry, no extend
+                                   ((row(False, 0), row(True, 2)), True, True)):
+        gathered = torch.stack(rows)
+        info = SimpleNamespace(tp0_info_cpu=gathered)
+        runtime = SimpleNamespace(replay_in_step=None)
+        dp_attention.note_replay_in_step(runtime, None, info)
+        assert runtime.replay_in_step is replays and bool(gathered[:, 3].max()) is extends  # as SGLang reads it
+    runtime = SimpleNamespace(replay_in_step=None)
+    dp_attention.note_replay_in_step(runtime, None, SimpleNamespace(tp0_info_cpu=None))
+    assert runtime.replay_in_step is True  # no gathered rows: exchange as before

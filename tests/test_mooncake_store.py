@@ -225,7 +225,7 @@ def test_the_master_restarted_mid_traffic_loses_nothing(servers, master):
     """Requests in flight on every Tail-Replay server while the master goes down and comes back empty: each one is
     answered. The clients mount their segments again within seconds and tr_a's pages are stored again; tr_b's
     request at an off-grid boundary of them is exact and equals no cache (a storage hit alone, a miss at times
-    under load: not yet explained)."""
+    under load while the master ran with a 2 s client TTL, which dropped live servers: CLIENT_TTL)."""
     names = ["tr_a", "tr_b", "tr_c"]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(generate, servers[names[i % 3]], random_ids(400, seed=140 + i), 8)
