@@ -34,8 +34,9 @@ HICACHE_HOST_HITS = "tests/test_hicache_tail_replay.py::test_host_hits_are_exact
 # Storage hits past the exact budget, replayed from a state another server stored (file, then Mooncake)
 STORED_ANCHOR_HITS = ("tests/test_hicache_tail_replay.py::test_second_server_hits_the_file_tier_off_grid",
                       "tests/test_mooncake_store.py::test_tail_replay_servers_hit_the_store_off_grid")
-# The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
+# Issue 64 E's decision, against SGLang's own MLP-sync rows
 E_TEST = "tests/test_dp_collectives.py::test_steps_without_a_replay_anywhere_skip_the_row_exchange"
+# The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
