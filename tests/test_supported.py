@@ -432,7 +432,7 @@ def test_draft_forwards_take_no_part_in_the_replay(monkeypatch):
     monkeypatch.setattr(replay, "run_pending", lambda *a, **k: ran.append(a))
     runtime = SimpleNamespace(store=object(), staged_anchors=SimpleNamespace(restore_host=lambda *a: ran.append(a)),
                               interval_anchors=None, host_anchors=None, family=None, pending=None, config=None,
-                              metrics=None)
+                              metrics=None, replay_in_step=True)
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True))
     draft = SimpleNamespace(device="cpu", is_draft_worker=True, req_to_token_pool=None)
     assert lifecycle.replay_after_clear(runtime, "result", draft, batch) == "result" and ran == []
