@@ -342,7 +342,7 @@ class TailReplayMambaComponent(TaintedKVComponent):
             host_indices, device_indices = controller.move_indices(host_value, data.value.view(-1))
             entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices,
                                                          controller.io_backend)
-            stored = torch.cuda.Event() if isinstance(self.runtime.forward_stream, torch.cuda.Stream) else None
+            stored = torch.cuda.Event() if is_cuda_stream(self.runtime.forward_stream) else None
             if stored is not None:
                 stored.record()  # the storage thread reads the host copy once this copy is done
         data.host_value = host_value.clone()
