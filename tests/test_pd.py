@@ -226,7 +226,10 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
     request: they hit only on the prefill server that computed the document (the other never saw it), so every
     follow-up hitting the whole document means it was sent there. The decode server is stock_d, without a radix
     cache: the `cached_tokens` it reports are the prefill server's (SGLang relays them; a decode radix cache would
-    add its own reuse). Both prefill servers end up holding documents."""
+    add its own reuse). Where a document goes first is the policy's load fallback (`expected_wait_fallback` in the
+    router's log): smg may put every document on one server, so the documents are sized to fit one server's pool
+    (4 x about 500 tokens in 4,096) and the test asserts only what the policy guarantees, that follow-ups go where
+    their document is."""
     for name in ("tr_p", "tr_p2"):
         flush_cache(pd[name].base_url)
     router = PDRouterProcess(prefills=tuple((pd[name].base_url, pd.bootstrap[name]) for name in ("tr_p", "tr_p2")),
@@ -234,7 +237,7 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
                              log_path=tmp_path / "router.log").start()
     try:
         router.wait_healthy(120)
-        documents = document_clients(clients=4, requests=3, system_words=300, seed=70)
+        documents = document_clients(clients=4, requests=3, system_words=120, seed=70)
 
         def ask(prompt: str) -> dict:  # text, not input_ids: the policy matches on the request's text
             r = requests.post(f"{router.base_url}/generate", timeout=120, json={
@@ -251,8 +254,6 @@ def test_the_router_keeps_each_shared_prefix_on_the_prefill_server_that_holds_it
                     question, meta, first, (tmp_path / "router.log").read_text()[-3000:])
     finally:
         router.stop()
-    held = {name: wait_idle(pd[name].base_url)["tree_evictable"] for name in ("tr_p", "tr_p2")}
-    assert min(held.values()) > 0, held  # placement spread the documents over both servers
 
 
 @pytest.mark.parametrize("room", [-1, 2**63, "room-1", 1.5])
