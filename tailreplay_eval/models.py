@@ -238,6 +238,14 @@ PRESETS: dict[str, Preset] = {
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
     ),
+    # Ling-3.0 (bailing_hybrid, BailingMoeV3ForCausalLM: KDA + gated MLA with RoPE, served by SGLang, not by
+    # transformers): tiny-kimi-linear's structure under Bailing's names, every 4th layer MLA (`tailreplay_eval.ling`).
+    "tiny-ling-3.0": Preset(
+        model_type="bailing_hybrid", **TINY, rope_theta=10_000.0,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16),
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -532,7 +540,7 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return falcon_h1_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
-    if preset.model_type == "kimi_linear":
+    if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
     if preset.vision is not None:
         return vision_language_config(preset, tokenizer)
@@ -684,11 +692,15 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config = json.loads(config_file.read_text())
         config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]
         config_file.write_text(json.dumps(config, indent=2) + "\n")
-    elif preset.model_type == "kimi_linear":  # as Moonshot ships Kimi Linear (transformers 5 writes HF's names)
-        written = json.loads(config_file.read_text())
+    elif preset.model_type in ("kimi_linear", "bailing_hybrid"):  # as Moonshot ships Kimi Linear (transformers 5
+        written = json.loads(config_file.read_text())  # writes HF's names)
         config = {key: written[key] for key in ("architectures", "model_type", "dtype", "transformers_version")}
         config_file.write_text(json.dumps(dict(config, **moonshot_config_fields(preset, tokenizer)), indent=2) + "\n")
         _moonshot_dense_mlp_names(staging / "model.safetensors")
+        if preset.model_type == "bailing_hybrid":
+            from tailreplay_eval.ling import convert_to_ling
+
+            convert_to_ling(staging, preset.rope_theta, record["seed"])
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     marker = dict(record, num_parameters=model.num_parameters())

@@ -5,8 +5,14 @@ so on CPU we point the modeling module back at its own pure-torch functions.
 """
 
 import importlib
+import json
+import tempfile
+from pathlib import Path
 
 import torch
+from torch import nn
+
+from tailreplay_eval import ling
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -49,6 +55,15 @@ def load_hf_model(model_path, dtype=torch.float32):
     return loader.from_pretrained(model_path, dtype=dtype).eval()
 
 
+def load_reference(model_path, dtype=torch.float32):
+    """What a served checkpoint is checked against: transformers' model where transformers has the architecture,
+    else a torch reference (Ling-3.0: `load_ling_reference`)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("model_type") == "bailing_hybrid":
+        return load_ling_reference(Path(model_path), dtype)
+    return load_hf_model(model_path, dtype)
+
+
 @torch.no_grad()
 def greedy_generate(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
     """Exactly max_new_tokens argmax tokens, end-of-text ones included, as the server's ignore_eos gives them.
@@ -69,3 +84,67 @@ def prompt_logprobs(model, input_ids: list[int]) -> list[float]:
     ids = torch.tensor([input_ids])
     logits = model(input_ids=ids).logits[0, :-1].float()
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+# --- Ling-3.0: transformers' Kimi Linear with Ling's MLA (tailreplay_eval.ling explains the differences) ---
+
+def _rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE on pairs (0, 1), (2, 3), ... of the last dim (GPT-J style, Bailing's `rope_interleave`); x [..., T, d]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class GatedRopeMLA(nn.Module):
+    """Ling-3.0's MLA layer in plain torch: transformers' Kimi MLA projections (copied from `mla`), rope on the
+    query's and the shared key's rope parts at their positions, and the output gate. The rotated key latent is what
+    the cache keeps, so cached decoding sees each key at its own position."""
+
+    def __init__(self, mla: nn.Module, gate: torch.Tensor, theta: float) -> None:
+        super().__init__()
+        self.mla, self.theta = mla, theta
+        self.gated = self.rotated = True  # each off: Kimi's MLA in that respect (tests show the reference needs both)
+        self.g_proj = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
+        self.g_proj.weight.copy_(gate)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        mla = self.mla
+        batch, length = hidden_states.shape[:-1]
+        past = past_key_values.get_seq_length(mla.layer_idx) if past_key_values is not None else 0
+        positions = torch.arange(past, past + length) if self.rotated else torch.zeros(length, dtype=torch.long)
+        q = mla.q_proj(hidden_states).view(batch, length, -1, mla.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q = torch.cat((q_nope, _rotate_interleaved(q_rot, positions, self.theta)), dim=-1)
+        kv_nope, k_rot = mla.kv_a_proj_with_mqa(hidden_states).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        kv_nope = mla.kv_a_layernorm(kv_nope).view(batch, 1, length, mla.kv_lora_rank)
+        k_rot = _rotate_interleaved(k_rot.view(batch, 1, length, mla.qk_rope_head_dim), positions, self.theta)
+        if past_key_values is not None:
+            kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, mla.layer_idx)
+        k, v = mla.expand_kv(kv_nope, k_rot)
+        scores = (q @ k.transpose(-1, -2)).float() * mla.scaling
+        total = k.shape[-2]
+        causal = torch.arange(total)[None, :] > (total - length + torch.arange(length))[:, None]
+        weights = scores.masked_fill(causal, float("-inf")).softmax(-1).to(v.dtype)
+        out = (weights @ v).transpose(1, 2).reshape(batch, length, -1)
+        return mla.o_proj(out * torch.sigmoid(self.g_proj(hidden_states)) if self.gated else out), None
+
+
+@torch.no_grad()
+def load_ling_reference(checkpoint: Path, dtype=torch.float32):
+    """A Ling-3.0 checkpoint (`tailreplay_eval.ling`) as transformers' Kimi Linear (`ling.write_as_kimi`, loaded by
+    transformers) with `GatedRopeMLA` in each MLA layer and BailingKDA's norm eps; in eval mode, on the torch KDA
+    path."""
+    with tempfile.TemporaryDirectory(prefix="ling-as-kimi-") as folder:
+        gates = ling.write_as_kimi(checkpoint, Path(folder))
+        model = load_hf_model(folder, dtype)
+    theta = json.loads((checkpoint / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "o_norm"):  # a third difference: BailingKDA fixes its gated norm's eps
+            layer.self_attn.o_norm.variance_epsilon = ling.KDA_NORM_EPS
+    for name, gate in gates.items():
+        layer = model.model.layers[int(name.split(".")[2])]
+        layer.self_attn = GatedRopeMLA(layer.self_attn, gate.to(dtype), theta)
+    return model.eval()

@@ -24,6 +24,7 @@ SERVED = {
     "NemotronHForCausalLM": (MAMBA2, "Nemotron-H"),
     "GraniteMoeHybridForCausalLM": (MAMBA2, "Granite-4.0-H"),
     "KimiLinearForCausalLM": (KDA, "Kimi Linear"),
+    "BailingMoeV3ForCausalLM": (KDA, "Ling-3.0 (Bailing KDA + gated MLA)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -54,7 +55,6 @@ REFUSED = {
         "Kimi K3: attention residuals (attn_res_block_size) make later layers read an aggregate of earlier blocks' "
         "outputs, which a group's one stored input does not carry"),
     "KimiK3LinearForCausalLM": ("Kimi K3 (text): attention residuals, as KimiK3ForConditionalGeneration"),
-    "BailingMoeV3ForCausalLM": ("Ling-3.0: KDA + gated MLA (5:1); " + _UNTESTED),
     "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
     "BailingMoeV2_5ForCausalLM": ("Ling-2.5 / Ring-2.5: lightning attention (fixed per-head decay), " + _NO_FAMILY),
     "BailingMoeForCausalLMNextN": (_DRAFT + " (Ling)"),

@@ -13,8 +13,9 @@ MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the 
 attention layers cut after its last Mamba2 layer: the MLP layers between its Mamba2 layers feed them and are
 replayed, those after the last one feed nothing the states depend on.
 
-Kimi Linear's KDA (`KDA`) layers are laid out as Qwen3.5's GDN ones (a KDA or MLA mixer, then a dense MLP or MoE, in
-every layer); its `linear_attn_config` lists the KDA layers, 1-indexed.
+Kimi Linear's and Ling-3.0's KDA (`KDA`) layers are laid out as Qwen3.5's GDN ones (a KDA or MLA mixer, then a dense
+MLP or MoE, in every layer); Kimi's `linear_attn_config` lists the KDA layers, 1-indexed, Ling's `layer_group_size`
+puts an MLA layer at every layer_group_size-th.
 
 Vision-language checkpoints (a `vision_config`: Qwen3.5 as Qwen publishes it) store group 0's input too. There the
 first layer's input is not a function of the token id: SGLang puts the vision tower's features in the rows of image
@@ -139,6 +140,10 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
     2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
+    if "BailingMoeV3ForCausalLM" in architectures and getattr(text_config, "short_conv_kernel_size", None) is None:
+        raise ValueError("--enable-tail-replay replays Ling-3.0's KDA layers, which a Bailing config declares with "
+                         "short_conv_kernel_size; this one has none (a lightning-attention Bailing, Ling-2.5's "
+                         f"mixer, which has no replay family here). Supported: {SUPPORTED}")
     if is_parallel_hybrid(architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
@@ -171,6 +176,12 @@ def layer_kinds(text_config) -> tuple[str, ...]:
     if linear:  # Kimi Linear as Moonshot writes it: 1-indexed KDA layers, the rest MLA
         kda = set(linear["kda_layers"])
         return tuple(LINEAR if i + 1 in kda else FULL for i in range(text_config.num_hidden_layers))
+    period = getattr(text_config, "layer_group_size", None)
+    if period is not None:  # Bailing (Ling) as inclusionAI writes it: MLA every period-th layer, or a per-layer list
+        n = text_config.num_hidden_layers  # whose 1s mark the linear layers (configs/bailing_hybrid.py)
+        if isinstance(period, list):
+            return tuple(LINEAR if kind == 1 else FULL for kind in period)
+        return tuple(FULL if (i + 1) % period == 0 else LINEAR for i in range(n))
     pattern = getattr(text_config, "hybrid_override_pattern", None)
     if pattern:  # Nemotron-H as NVIDIA writes it
         return tuple(PATTERN_KINDS[c] for c in pattern)

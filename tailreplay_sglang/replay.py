@@ -24,6 +24,7 @@ from tailreplay_sglang import dp_attention, visibility
 from tailreplay_sglang.cache.request import Match, PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.families import Family, ReplayBatch
+from tailreplay_sglang.families.base import token_embedding
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.store.transfer import HostToDevice, pin
 
@@ -97,7 +98,8 @@ def _unbound():
 
 def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, h2d_mode: str) -> None:
     model, pool = runner.model.model, runner.req_to_token_pool
-    dtype = model.embed_tokens.weight.dtype
+    embedding = token_embedding(model)
+    dtype = embedding.weight.dtype
     h2d = HostToDevice(runner.device, h2d_mode)
     wait_for_loaded_rows(runner)
     inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
@@ -106,7 +108,7 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
         key = group.first_layer if store.is_stored(group.first_layer) else TOKENS
         h2d.wait(key)  # group g's replay waits for its own input only, not for later groups' loads
         if key == TOKENS:  # group 0: fed by the embeddings of the tail tokens (some models scale them)
-            x = model.embed_tokens(inputs[key]) * getattr(model, "embedding_multiplier", 1.0)
+            x = embedding(inputs[key]) * getattr(model, "embedding_multiplier", 1.0)
         else:
             x = store.decode(inputs[key], dtype)
         family.replay_group(model, pool, group, x, batch)

@@ -364,11 +364,14 @@ def hook_registry_callers(package) -> list[str]:
 
 CONTEXT, QUESTION, HICACHE_DEVICE_TOKENS = 700, 24, 1200  # three 700-token contexts push an earlier one to the host
 # no --hicache-io-backend: SGLang's default (`kernel`, CUDA-only) becomes `direct` on the CPU engine (the CPU port)
-HICACHE = ("--enable-hierarchical-cache", "--hicache-size", "1",
+# Host pools of 16 x the device pools (19,200 tokens, 1,024 mamba slots: tens of MB), not a --hicache-size in whole
+# GB: SGLang refuses a host pool larger than the free RAM less 10 GiB, and with the other worker's servers up it
+# refused 1 GB ones ("Requesting 0.76 GB but only have 0.41 GB free", clean-clone CI of 8e50938).
+HICACHE = ("--enable-hierarchical-cache", "--hicache-ratio", "16",
            "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
            "--dtype", "float32", "--enable-cache-report",
-           # three servers start at once, each allocating a 1 GiB host pool: SGLang's check that the memory left
-           # after loading is within the fraction failed once at 0.1 (the pool itself is set by max_total_tokens)
+           # three servers start at once: SGLang's check that the memory left after loading is within the fraction
+           # failed once at 0.1 (the pool itself is set by max_total_tokens)
            "--mem-fraction-static", "0.5")
 
 

@@ -120,11 +120,8 @@ def test_never_writes_approximate_kv_to_storage(tiny_qwen35, tmp_path_factory):
     the 24 it computed past them (a control context written after them shows the writes had time to land)."""
     folder, other = tmp_path_factory.mktemp("l3-tr-pure"), {}
     try:
-        # host pools sized by ratio (2 x 1,200 tokens), not HICACHE's 1 GB: it starts while the module's three
-        # servers hold theirs, and SGLang refused it once for host memory ("Requesting 0.76 GB but only have 0.69")
         launch(tmp_path_factory, {"tr_pure": hicache_spec(tiny_qwen35, folder, False, *TR,
-                                                          "--tail-replay-exact-budget", "0",
-                                                          "--hicache-size", "0", "--hicache-ratio", "2")}, other)
+                                                          "--tail-replay-exact-budget", "0")}, other)
         srv = other["tr_pure"]
         context = random_ids(CONTEXT, seed=91)
         before = len(list(folder.iterdir()))

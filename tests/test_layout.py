@@ -129,3 +129,36 @@ def test_kimi_linear_groups_from_its_linear_attn_config(tiny_kimi_linear):
         assert lay.mixer == KDA
         assert [g.recurrent_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6)]
         assert [g.first_layer for g in lay.stored_groups] == [4]
+
+
+def test_ling_groups_from_its_layer_group_size(tmp_path):
+    """Bailing's layer_group_size: an MLA layer at every 4th layer (tiny-ling-3.0's config, as its builder writes
+    it), or a per-layer list whose 1s mark the KDA layers; a Bailing config without short_conv_kernel_size (a
+    lightning-attention one, Ling-2.5's mixer) is refused with the reason."""
+    import json
+
+    import pytest
+
+    from tailreplay_eval.ling import ling_config
+    from tailreplay_sglang.layout import KDA
+
+    kimi = {"num_hidden_layers": 8, "dtype": "float32", "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+            "num_shared_experts": 1, "first_k_dense_replace": 1, "moe_renormalize": True, "num_expert_group": 1,
+            "topk_group": 1, "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+            "eos_token_id": 2, "pad_token_id": 0,
+            "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "head_dim": 16,
+                                   "num_heads": 4, "short_conv_kernel_size": 4}}
+    config = ling_config(kimi, rope_theta=10_000.0)
+
+    def read(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        return HybridLayout.from_model_path(str(tmp_path))
+
+    for lay in (read(), read(layer_group_size=[1, 1, 1, 0, 1, 1, 1, 0])):
+        assert lay.mixer == KDA
+        assert [g.recurrent_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6)]
+        assert [g.first_layer for g in lay.stored_groups] == [4]
+    with pytest.raises(ValueError, match="short_conv_kernel_size.*lightning"):
+        read(short_conv_kernel_size=None)

@@ -46,6 +46,11 @@ class ReplayBatch:
             self.log_survival = torch.maximum(self.log_survival, tail_log_survival(log_decay, self))
 
 
+def token_embedding(model):
+    """The model's token embedding: `embed_tokens`, or `word_embeddings` where Bailing (Ling) names it so."""
+    return model.embed_tokens if hasattr(model, "embed_tokens") else model.word_embeddings
+
+
 class FamilyBindError(RuntimeError):
     """The loaded model lacks a module, attribute or kernel the family's capture or replay uses."""
 
@@ -98,7 +103,7 @@ class Family:
     def participate(self, model, layout, exchange) -> None:
         """Take part in a replay pass other ranks run, with no rows of this rank's own: the same feed-forward blocks
         in the same order, so that their collectives pair up (`dp_attention.py`)."""
-        weight = model.embed_tokens.weight
+        weight = token_embedding(model).weight
         for mlp in self.feed_forwards(model, layout):
             exchange.feed_forward(mlp, None, weight.shape[-1], weight.dtype, weight.device, _ffn_reduce(mlp))
 

@@ -1,8 +1,10 @@
-"""Kimi Delta Attention (Kimi Linear).
+"""Kimi Delta Attention (Kimi Linear, Ling-3.0).
 
 A layer is input norm -> KDA mixer (q | k | v, beta, forget gate and output gate projections; conv; chunked KDA;
 gated norm; output projection) -> post-attention norm -> dense MLP or MoE, each added back to the residual stream,
-as `KimiDecoderLayer` runs it; the group's last KDA layer computes only its states. The kernels are the ones
+as `KimiDecoderLayer` runs it; the group's last KDA layer computes only its states. Ling-3.0's
+`BailingMoELinearDecoderLayer` is the same stages with the mixer at `.attention` (SGLang builds it as Kimi's
+`KimiDeltaAttention`) where Kimi's is at `.self_attn` (`mixer_name`). The kernels are the ones
 SGLang's KDA backend calls (the Triton causal conv and `chunk_kda` on a GPU, whatever binds them on a CPU), reached
 at their defining modules rather than through `kda_backend`, whose names carry the interval-anchor hooks of the
 forward being prepared (the replay also pauses those, `lifecycle.replay_after_clear`).
@@ -40,13 +42,13 @@ class KdaFamily(Family):
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         for layer_id in group.recurrent_layers:
             layer = model.layers[layer_id]
-            out, log_decay = replay_kda_mixer(layer.self_attn, pool.mamba2_layer_cache(layer_id),
-                                              layer.input_layernorm(x), batch.cu_seqlens, batch.tail_lens,
-                                              batch.mamba_slots)
+            mixer = getattr(layer, mixer_name(layer))
+            out, log_decay = replay_kda_mixer(mixer, pool.mamba2_layer_cache(layer_id), layer.input_layernorm(x),
+                                              batch.cu_seqlens, batch.tail_lens, batch.mamba_slots)
             batch.observe_decay(log_decay)
             if layer_id == group.recurrent_layers[-1]:
                 return
-            x = x + tp_reduced(out, layer.self_attn.o_proj)
+            x = x + tp_reduced(out, mixer.o_proj)
             x = x + tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), reduction_owner(layer.mlp))
 
     def required(self, model, layout) -> list:
@@ -54,9 +56,10 @@ class KdaFamily(Family):
         for group in layout.groups:
             needs += layer_requirements(model, [group.first_layer], ("attn_boundary.prepare",))
             for layer_id in group.recurrent_layers:
-                fused = getattr(getattr(model.layers[layer_id], "self_attn", None), "do_fuse_qkvbfg", False)
-                projection = "self_attn.forward_qkvbfg_fused" if fused else "self_attn.forward_qkvbfg"
-                paths = ("input_layernorm", projection) + tuple(f"self_attn.{p}" for p in _MIXER)
+                name = mixer_name(model.layers[layer_id])
+                fused = getattr(getattr(model.layers[layer_id], name, None), "do_fuse_qkvbfg", False)
+                projection = f"{name}.forward_qkvbfg_fused" if fused else f"{name}.forward_qkvbfg"
+                paths = ("input_layernorm", projection) + tuple(f"{name}.{p}" for p in _MIXER)
                 if layer_id != group.recurrent_layers[-1]:
                     paths += ("mlp", "post_attention_layernorm")
                 needs += layer_requirements(model, [layer_id], paths)
@@ -64,6 +67,11 @@ class KdaFamily(Family):
 
     def required_kernels(self) -> tuple[str, ...]:
         return (_CONV, _CHUNK)
+
+
+def mixer_name(layer) -> str:
+    """Where a decoder layer keeps its KDA mixer: `self_attn` (Kimi Linear) or `attention` (Ling-3.0)."""
+    return "attention" if hasattr(layer, "attention") and not hasattr(layer, "self_attn") else "self_attn"
 
 
 def _conv_kernel():
