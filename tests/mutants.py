@@ -250,6 +250,20 @@ MUTANTS = (
            "tailreplay_sglang/cache/component.py", "                self._backup_state_to_hicache(node)",
            "                pass", (HICACHE_HOST_HITS,),
            server=True),
+    # Ling-3.0 (issue 67): where its layers are, and what a KDA group's stored input is
+    Mutant("ling-layout", "Bailing's layer_group_size read 0-indexed (MLA at layers 0, 4 instead of 3, 7)",
+           "tailreplay_sglang/layout.py",
+           "        return tuple(FULL if (i + 1) % period == 0 else LINEAR for i in range(n))",
+           "        return tuple(FULL if i % period == 0 else LINEAR for i in range(n))",
+           ("tests/test_layout.py::test_ling_groups_from_its_layer_group_size",)),
+    Mutant("ling-stored-input", "a stage-boundary model's stored group input is its neighbour token's row (an "
+           "off-by-one in the rows captured at the group's first layer)", "tailreplay_sglang/capture.py",
+           "                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, "
+           "stream.residual[:n])",
+           "                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, "
+           "stream.residual[:n].roll(1, 0))",
+           ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
+            "[tiny-ling-3.0-560-512]",), server=True),
 )
 
 
