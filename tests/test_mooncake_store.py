@@ -83,6 +83,15 @@ def compute(master, srv, context: list[int], kind: str) -> None:
     wait_for_keys(master, before, KEYS_PER_TOKEN[kind] * stored)
 
 
+def write_failures(srv) -> int:
+    """The writes to the store the server logged as failed. Mooncake's TCP transport sometimes stalls a transfer to a
+    peer's segment and drops it after 30 s ("no transfer progress within 30s", then "Write page to storage: 60 pages
+    failed"; clean-clone CI of e8d7b63, tr_pure): those pages never land, so a test whose context was lost that way
+    may send another (a miss with no logged failure still fails it)."""
+    return sum("Write page to storage:" in line and "failed" in line
+               for line in srv.log_path.read_text(errors="replace").splitlines())
+
+
 def fresh_reference(srv, prompt, start, extra_key: str) -> dict:
     """The no-cache reference without a flush: under an extra_key of its own no tier (device, host or store) holds
     the prompt's pages. A flush can be refused for over 30 s while a write to the store stalls (docs/results.md 2i),
@@ -167,11 +176,16 @@ def test_never_writes_approximate_kv_to_the_store(servers, master, tiny_qwen35, 
         compute(master, servers["tr_a"], shared, "tr")
         miss = scored(srv, shared[:450] + random_ids(QUESTION, seed=126), 450)
         assert miss["meta"]["cached_tokens"] == 0, miss["meta"]["cached_tokens_details"]
-        context = random_ids(CONTEXT, seed=121)
-        compute(master, srv, context, "tr")
-        flush(srv)
-        prompt = context[:600] + random_ids(QUESTION, seed=122)
-        assert_storage_hit(scored(srv, prompt, 600), 600, exact=False)
+        for attempt in range(3):
+            failed = write_failures(srv)
+            context = random_ids(CONTEXT, seed=121 + 1000 * attempt)
+            compute(master, srv, context, "tr")
+            flush(srv)
+            prompt = context[:600] + random_ids(QUESTION, seed=122 + 1000 * attempt)
+            hit = scored(srv, prompt, 600)
+            if hit["meta"]["cached_tokens"] or write_failures(srv) == failed:
+                break
+        assert_storage_hit(hit, 600, exact=False)
         compute(master, srv, random_ids(300, seed=123), "tr")  # control
         flush(srv)
         # log-probs from the end: SGLang caps a match at the request's logprob start, which would hide those pages
