@@ -32,44 +32,44 @@ GATE = "element_wise"
 # (no RoPE at all moved the served log-probs by 0.0017 nats, under the 0.005 the tests allow): x 10 makes it show.
 ROPE_GAIN = 10.0
 
-# (Kimi Linear name as Moonshot ships it, Ling-3.0 name): regexes on the part after `model.layers.<i>.`.
-_LAYER_NAMES = (
-    (r"self_attn\.", "attention."),
-    (r"block_sparse_moe\.experts\.(\d+)\.w1\.", r"mlp.experts.\1.gate_proj."),
-    (r"block_sparse_moe\.experts\.(\d+)\.w3\.", r"mlp.experts.\1.up_proj."),
-    (r"block_sparse_moe\.experts\.(\d+)\.w2\.", r"mlp.experts.\1.down_proj."),
-    (r"block_sparse_moe\.gate\.e_score_correction_bias", "mlp.gate.expert_bias"),
-    (r"block_sparse_moe\.", "mlp."),
+# (Kimi Linear name as Moonshot ships it, Ling-3.0 name) after `model.layers.<i>.`: a prefix pair, then pairs for
+# the rest of the name under it. Every pair reads both ways (`to_ling_name`, `to_kimi_name`); the dense MLP's `mlp.`
+# names are the same in both.
+_RULES = (
+    (("self_attn.", "attention."), ()),
+    (("block_sparse_moe.gate.", "mlp.gate."), (("e_score_correction_bias", "expert_bias"),)),
+    (("block_sparse_moe.shared_experts.", "mlp.shared_experts."), ()),
+    (("block_sparse_moe.experts.", "mlp.experts."), ((".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                                                    (".w2.", ".down_proj."))),
 )
-_INVERSE = (
-    (r"attention\.", "self_attn."),
-    (r"mlp\.experts\.(\d+)\.gate_proj\.", r"block_sparse_moe.experts.\1.w1."),
-    (r"mlp\.experts\.(\d+)\.up_proj\.", r"block_sparse_moe.experts.\1.w3."),
-    (r"mlp\.experts\.(\d+)\.down_proj\.", r"block_sparse_moe.experts.\1.w2."),
-    (r"mlp\.gate\.expert_bias", "block_sparse_moe.gate.e_score_correction_bias"),
-    (r"mlp\.(gate\.|shared_experts\.)", r"block_sparse_moe.\1"),
-)
+_EMBEDDINGS = ("model.embed_tokens.weight", "model.word_embeddings.weight")
 
 
-def _rename(name: str, rules, embed: tuple[str, str]) -> str:
-    if name == embed[0]:
-        return embed[1]
+def _rename(name: str, to_ling: bool) -> str:
+    way = (lambda pair: pair) if to_ling else (lambda pair: pair[::-1])
+    old, new = way(_EMBEDDINGS)
+    if name == old:
+        return new
     match = re.match(r"(model\.layers\.\d+\.)(.*)", name)
     if match is None:
         return name
     prefix, rest = match.groups()
-    for pattern, replacement in rules:
-        if re.match(pattern, rest):
-            return prefix + re.sub(pattern, replacement, rest, count=1)
-    return name
+    for head, tails in _RULES:
+        old, new = way(head)
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            for tail in tails:
+                rest = rest.replace(*way(tail))
+            break
+    return prefix + rest
 
 
 def to_ling_name(name: str) -> str:
-    return _rename(name, _LAYER_NAMES, ("model.embed_tokens.weight", "model.word_embeddings.weight"))
+    return _rename(name, to_ling=True)
 
 
 def to_kimi_name(name: str) -> str:
-    return _rename(name, _INVERSE, ("model.word_embeddings.weight", "model.embed_tokens.weight"))
+    return _rename(name, to_ling=False)
 
 
 def ling_config(kimi: dict, rope_theta: float) -> dict:
