@@ -171,14 +171,17 @@ def write_as_kimi(checkpoint: Path, folder: Path) -> dict[str, torch.Tensor]:
     ling = json.loads((checkpoint / "config.json").read_text())
     tensors = load_file(checkpoint / "model.safetensors")
     gates = {name: t for name, t in tensors.items() if name.endswith(".attention.g_proj.weight")}
+    write_kimi(ling, {name: t for name, t in tensors.items() if name not in gates}, folder)
+    return gates
+
+
+def write_kimi(ling: dict, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Bailing-named `tensors` under Moonshot's names, with the Kimi Linear config of `ling`, into `folder`."""
     kimi = {}
     for name, tensor in tensors.items():
-        if name in gates:
-            continue
         kimi_name = to_kimi_name(name)
         if kimi_name.endswith(".self_attn.A_log"):
             tensor = tensor.view(1, 1, -1, 1)
         kimi[kimi_name] = tensor
     (folder / "config.json").write_text(json.dumps(kimi_config(ling)))
     save_file(kimi, folder / "model.safetensors", metadata={"format": "pt"})
-    return gates

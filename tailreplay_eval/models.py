@@ -155,6 +155,9 @@ class Preset:
     mamba2: Mamba2 | None = None
     # Kimi Linear (model_type kimi_linear): its KDA and MLA layers; num_hidden_layers is the pattern's length.
     kda: Kda | None = None
+    # Ling-2.5 (bailing_hybrid without a short conv): the `kda` pattern's linear layers are lightning attention
+    # (`tailreplay_eval.ling25`).
+    lightning: bool = False
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
@@ -242,6 +245,14 @@ PRESETS: dict[str, Preset] = {
     # transformers): tiny-kimi-linear's structure under Bailing's names, every 4th layer MLA (`tailreplay_eval.ling`).
     "tiny-ling-3.0": Preset(
         model_type="bailing_hybrid", **TINY, rope_theta=10_000.0,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16),
+    ),
+    # Ling-2.5 (BailingMoeV2_5ForCausalLM: lightning attention + ungated MLA with RoPE, served by SGLang, not by
+    # transformers): tiny-ling-3.0's layout with lightning mixers in its linear layers (`tailreplay_eval.ling25`).
+    "tiny-ling-2.5": Preset(
+        model_type="bailing_hybrid", **TINY, rope_theta=10_000.0, lightning=True,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
@@ -697,7 +708,11 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config = {key: written[key] for key in ("architectures", "model_type", "dtype", "transformers_version")}
         config_file.write_text(json.dumps(dict(config, **moonshot_config_fields(preset, tokenizer)), indent=2) + "\n")
         _moonshot_dense_mlp_names(staging / "model.safetensors")
-        if preset.model_type == "bailing_hybrid":
+        if preset.lightning:
+            from tailreplay_eval.ling25 import convert_to_ling25
+
+            convert_to_ling25(staging, preset.rope_theta, record["seed"])
+        elif preset.model_type == "bailing_hybrid":
             from tailreplay_eval.ling import convert_to_ling
 
             convert_to_ling(staging, preset.rope_theta, record["seed"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import ling
+from tailreplay_eval import ling, ling25
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -57,8 +57,10 @@ def load_hf_model(model_path, dtype=torch.float32):
 
 def load_reference(model_path, dtype=torch.float32):
     """What a served checkpoint is checked against: transformers' model where transformers has the architecture,
-    else a torch reference (Ling-3.0: `load_ling_reference`)."""
+    else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("architectures") == [ling25.ARCHITECTURE]:
+        return load_ling25_reference(Path(model_path), dtype)
     if config.get("model_type") == "bailing_hybrid":
         return load_ling_reference(Path(model_path), dtype)
     return load_hf_model(model_path, dtype)
@@ -103,12 +105,14 @@ class GatedRopeMLA(nn.Module):
     query's and the shared key's rope parts at their positions, and the output gate. The rotated key latent is what
     the cache keeps, so cached decoding sees each key at its own position."""
 
-    def __init__(self, mla: nn.Module, gate: torch.Tensor, theta: float) -> None:
+    def __init__(self, mla: nn.Module, gate: torch.Tensor | None, theta: float) -> None:
         super().__init__()
         self.mla, self.theta = mla, theta
-        self.gated = self.rotated = True  # each off: Kimi's MLA in that respect (tests show the reference needs both)
-        self.g_proj = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
-        self.g_proj.weight.copy_(gate)
+        # each off: Kimi's MLA in that respect (tests show the reference needs both); no gate: Ling-2.5's MLA
+        self.gated, self.rotated = gate is not None, True
+        if gate is not None:
+            self.g_proj = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
+            self.g_proj.weight.copy_(gate)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
         mla = self.mla
@@ -147,4 +151,73 @@ def load_ling_reference(checkpoint: Path, dtype=torch.float32):
     for name, gate in gates.items():
         layer = model.model.layers[int(name.split(".")[2])]
         layer.self_attn = GatedRopeMLA(layer.self_attn, gate.to(dtype), theta)
+    return model.eval()
+
+
+# --- Ling-2.5: transformers' Kimi Linear with lightning attention (tailreplay_eval.ling25 explains the differences) ---
+
+def _rotate_halves(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE on the pairs (i, i + d/2) of the last dim (NeoX style, Bailing's lightning q and k); x [T, heads, d]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    first, second = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class LightningAttention(nn.Module):
+    """Ling-2.5's lightning-attention mixer in plain torch (float64 inside): per-head q/k RMSNorm, NeoX RoPE at the
+    tokens' positions, `S_t = exp(-slope) S_{t-1} + k_t^T v_t`, `o_t = q_t S_t / sqrt(d)` token by token, groupwise
+    RMSNorm times sigmoid of the gate, output projection. Keeps its own state and position across the calls of one
+    transformers cache (a new cache object starts from zero)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], config: dict, layer: int) -> None:
+        super().__init__()
+        self.weights = {name: w.double() for name, w in weights.items()}
+        self.heads, self.head_dim = config["num_attention_heads"], config["head_dim"]
+        self.eps, self.theta = config["rms_norm_eps"], config["rope_theta"]
+        self.group = self.heads * self.head_dim // config["group_norm_size"]
+        self.slope = ling25.slopes(config, layer)
+        self._cache, self._state, self._seen = object(), None, 0
+
+    def forward(self, hidden_states, cache_params=None, **kwargs):
+        if cache_params is None or cache_params is not self._cache:
+            self._cache, self._seen = cache_params, 0
+            self._state = torch.zeros(self.heads, self.head_dim, self.head_dim, dtype=torch.float64)
+        w, x = self.weights, hidden_states[0].double()
+        length = x.shape[0]
+        q, k, v = (x @ w["query_key_value.weight"].T).view(length, 3, self.heads, self.head_dim).unbind(1)
+        positions = torch.arange(self._seen, self._seen + length)
+        q = _rotate_halves(_rms(q, w["query_layernorm.weight"], self.eps), positions, self.theta)
+        k = _rotate_halves(_rms(k, w["key_layernorm.weight"], self.eps), positions, self.theta)
+        decay, outs = torch.exp(-self.slope)[:, None, None], []
+        for t in range(length):
+            self._state = decay * self._state + k[t][:, :, None] * v[t][:, None, :]
+            outs.append(torch.einsum("hd,hdv->hv", q[t], self._state) * self.head_dim ** -0.5)
+        self._seen += length
+        o = torch.stack(outs).reshape(length, -1, self.group)
+        o = _rms(o, w["g_norm.weight"].view(-1, self.group), self.eps).reshape(length, -1)
+        o = o * torch.sigmoid(x @ w["g_proj.weight"].T)
+        return (o @ w["dense.weight"].T).to(hidden_states.dtype)[None]
+
+
+@torch.no_grad()
+def load_ling25_reference(checkpoint: Path, dtype=torch.float32):
+    """A Ling-2.5 checkpoint (`tailreplay_eval.ling25`) as transformers' Kimi Linear over its shared weights, with
+    `LightningAttention` in each linear layer and an ungated `GatedRopeMLA` in each MLA layer; in eval mode."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="ling25-as-kimi-") as folder:
+        ling25.write_as_kimi(checkpoint, Path(folder))
+        model = load_hf_model(folder, dtype)
+    mixers = ling25.lightning_weights(checkpoint)
+    for index, layer in enumerate(model.model.layers):
+        if index in mixers:
+            layer.self_attn = LightningAttention(mixers[index], config, index)
+        else:
+            layer.self_attn = GatedRopeMLA(layer.self_attn, None, config["rope_theta"])
     return model.eval()

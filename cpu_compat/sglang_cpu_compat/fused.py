@@ -13,10 +13,16 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rmsnorm(x, weight, gate, eps: float, activation: str = "silu") -> torch.Tensor:
-    """norm(x) * weight * act(gate) (norm before gate, no groups): the GDN output norm."""
+def gated_rmsnorm(x, weight, gate, eps: float, activation: str = "silu", group_size: int | None = None,
+                  bias: torch.Tensor | None = None):
+    """(norm(x) * weight + bias) * act(gate), the norm before the gate: the GDN output norm; over groups of
+    `group_size` channels where given (Ling-2.5's lightning output norm), and with no gate where `gate` is None."""
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    grouped = xf if group_size is None else xf.unflatten(-1, (-1, group_size))
+    normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    normed = normed.to(x.dtype) * weight if bias is None else normed.to(x.dtype) * weight + bias
+    if gate is None:
+        return normed
     act = F.silu(gate.float()) if activation in ("silu", "swish") else gate.float().sigmoid()
     return (normed.float() * act).to(x.dtype)
 

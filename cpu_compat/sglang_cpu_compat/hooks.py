@@ -21,6 +21,10 @@ CPU_ENGINE = (
     Hook(f"{_FLA}.fused_norm_gate.FusedRMSNormGated.forward", "replace",
          f"{_PKG}.triton_branches:fused_rmsnorm_gated_forward",
          "Qwen3-Next's GDN output norm goes to Triton on a CPU without AMX"),
+    Hook(f"{_FLA}.layernorm_gated.layernorm_fn", "replace", f"{_PKG}.triton_branches:layernorm_fn",
+         "Ling-2.5's lightning layers norm q and k per head with this Triton function, called directly"),
+    Hook("sglang.kernels.ops.attention.linear.seg_la.seg_la_fwd", "replace", f"{_PKG}.lightning:seg_la_fwd",
+         "Ling-2.5's lightning attention (prefill, decode, extra_buffer's tracking) is this Triton kernel"),
     Hook("sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add", "replace",
          f"{_PKG}.fused:gate_sigmoid_mul_add_", "the Qwen-MoE shared-expert gate goes to Triton"),
     Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend", "around",
@@ -69,6 +73,11 @@ CPU_ENGINE = (
          "to torch bodies"),
     Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
          f"{_PKG}.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
+    Hook(f"{_SRT}.layers.rotary_embedding.factory.get_rope_cpu", "around", f"{_PKG}.rope:plain_rope_without_scaling",
+         "SGLang's CPU rotary factory builds DeepSeek-YaRN only and asserts a rope_scaling: plain RoPE (Ling-2.5's "
+         "lightning layers) takes the generic embedding"),
+    Hook(f"{_SRT}.models.bailing_moe_linear.DsV3MLA.__init__", "after", f"{_PKG}.rope:native_mla_rope",
+         "Ling-2.5's MLA pins its rotary embedding to the CUDA kernel whenever the config has a rope_scaling"),
     Hook(f"{_SRT}.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry", "call",
          f"{_PKG}.mla:register_mla_handler",
          "MLA (Kimi Linear's attention) on torch_native: SGLang's dispatch sends a fresh prefill down the MHA path, "
