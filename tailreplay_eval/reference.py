@@ -183,6 +183,8 @@ class LightningAttention(nn.Module):
         self.eps, self.theta = config["rms_norm_eps"], config["rope_theta"]
         self.group = self.heads * self.head_dim // config["group_norm_size"]
         self.slope = ling25.slopes(config, layer)
+        # each off: a simpler mixer (tests show the reference needs each): no RoPE, no q/k norm, one norm group
+        self.rotated = self.qk_normed = self.grouped = True
         self._cache, self._state, self._seen = object(), None, 0
 
     def forward(self, hidden_states, cache_params=None, **kwargs):
@@ -193,15 +195,18 @@ class LightningAttention(nn.Module):
         length = x.shape[0]
         q, k, v = (x @ w["query_key_value.weight"].T).view(length, 3, self.heads, self.head_dim).unbind(1)
         positions = torch.arange(self._seen, self._seen + length)
-        q = _rotate_halves(_rms(q, w["query_layernorm.weight"], self.eps), positions, self.theta)
-        k = _rotate_halves(_rms(k, w["key_layernorm.weight"], self.eps), positions, self.theta)
+        if self.qk_normed:
+            q, k = _rms(q, w["query_layernorm.weight"], self.eps), _rms(k, w["key_layernorm.weight"], self.eps)
+        if self.rotated:
+            q, k = _rotate_halves(q, positions, self.theta), _rotate_halves(k, positions, self.theta)
         decay, outs = torch.exp(-self.slope)[:, None, None], []
         for t in range(length):
             self._state = decay * self._state + k[t][:, :, None] * v[t][:, None, :]
             outs.append(torch.einsum("hd,hdv->hv", q[t], self._state) * self.head_dim ** -0.5)
         self._seen += length
-        o = torch.stack(outs).reshape(length, -1, self.group)
-        o = _rms(o, w["g_norm.weight"].view(-1, self.group), self.eps).reshape(length, -1)
+        group = self.group if self.grouped else self.heads * self.head_dim
+        o = torch.stack(outs).reshape(length, -1, group)
+        o = _rms(o, w["g_norm.weight"].view(-1, group), self.eps).reshape(length, -1)
         o = o * torch.sigmoid(x @ w["g_proj.weight"].T)
         return (o @ w["dense.weight"].T).to(hidden_states.dtype)[None]
 

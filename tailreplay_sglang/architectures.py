@@ -11,7 +11,7 @@ served list, with the reason `REFUSED` records where the architecture is one SGL
 that docs/models.md's table says the same.
 """
 
-GDN, MAMBA2, KDA = "gdn", "mamba2", "kda"
+GDN, MAMBA2, KDA, LIGHTNING = "gdn", "mamba2", "kda", "lightning"
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -25,6 +25,7 @@ SERVED = {
     "GraniteMoeHybridForCausalLM": (MAMBA2, "Granite-4.0-H"),
     "KimiLinearForCausalLM": (KDA, "Kimi Linear"),
     "BailingMoeV3ForCausalLM": (KDA, "Ling-3.0 (Bailing KDA + gated MLA)"),
+    "BailingMoeV2_5ForCausalLM": (LIGHTNING, "Ling-2.5 / Ring-2.5 (Bailing lightning attention + MLA)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -56,7 +57,6 @@ REFUSED = {
         "outputs, which a group's one stored input does not carry"),
     "KimiK3LinearForCausalLM": ("Kimi K3 (text): attention residuals, as KimiK3ForConditionalGeneration"),
     "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
-    "BailingMoeV2_5ForCausalLM": ("Ling-2.5 / Ring-2.5: lightning attention (fixed per-head decay), " + _NO_FAMILY),
     "BailingMoeForCausalLMNextN": (_DRAFT + " (Ling)"),
     # the other hybrids
     "FalconH1ForCausalLM": (

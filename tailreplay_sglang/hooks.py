@@ -179,6 +179,10 @@ INTERVAL_ANCHORS = (
          f"{_PKG}.families.kda:write_anchor_ssm_states",
          "KDA's chunked prefill (fla's Triton kernel, or the CPU op): asked for its per-chunk states when anchors "
          "are planned, which hold their SSM states", bound=True),
+    Hook(f"{_SRT}.layers.attention.linear.lightning_backend.LightningAttentionBackend._linear_attention_entry",
+         "around", f"{_PKG}.families.lightning:write_anchor_states",
+         "Ling-2.5's lightning kernel call (every device): the planned anchors' states are a closed form of the state "
+         "entering the extend, read before the kernel updates the slot, and the keys and values it gets", bound=True),
     Hook(f"{_SRT}.layers.attention.mamba.mamba.MambaMixer2.forward", "around",
          f"{_PKG}.families.mamba2:write_anchor_states",
          "every Mamba2 mixer's forward (every device): its scan returns the per-chunk states on a grid over the packed "

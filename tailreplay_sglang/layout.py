@@ -13,9 +13,9 @@ MoE `E`, as its `hybrid_override_pattern` spells it). A Nemotron-H group is the 
 attention layers cut after its last Mamba2 layer: the MLP layers between its Mamba2 layers feed them and are
 replayed, those after the last one feed nothing the states depend on.
 
-Kimi Linear's and Ling-3.0's KDA (`KDA`) layers are laid out as Qwen3.5's GDN ones (a KDA or MLA mixer, then a dense
-MLP or MoE, in every layer); Kimi's `linear_attn_config` lists the KDA layers, 1-indexed, Ling's `layer_group_size`
-puts an MLA layer at every layer_group_size-th.
+Kimi Linear's and Ling-3.0's KDA (`KDA`) and Ling-2.5's lightning-attention (`LIGHTNING`) layers are laid out as
+Qwen3.5's GDN ones (a linear or MLA mixer, then a dense MLP or MoE, in every layer); Kimi's `linear_attn_config` lists
+the KDA layers, 1-indexed, Ling's `layer_group_size` puts an MLA layer at every layer_group_size-th.
 
 Vision-language checkpoints (a `vision_config`: Qwen3.5 as Qwen publishes it) store group 0's input too. There the
 first layer's input is not a function of the token id: SGLang puts the vision tower's features in the rows of image
@@ -55,7 +55,7 @@ class HybridLayout:
     layer_types: tuple[str, ...]
     hidden_size: int
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
-    mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2 or KDA
+    mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2, KDA or LIGHTNING
     chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
 
     @property
@@ -144,6 +144,8 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
         raise ValueError("--enable-tail-replay replays Ling-3.0's KDA layers, which a Bailing config declares with "
                          "short_conv_kernel_size; this one has none (a lightning-attention Bailing, Ling-2.5's "
                          f"mixer, which has no replay family here). Supported: {SUPPORTED}")
+    if "BailingMoeV2_5ForCausalLM" in architectures:
+        _refuse_unsupported_lightning(text_config)
     if is_parallel_hybrid(architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
@@ -153,6 +155,20 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          f"values per layer per token beside the KV cache's {kv_values} "
                          f"({text_config.hidden_size / kv_values:.1f}x the KV cache, which it would displace). "
                          f"Supported: {SUPPORTED}")
+
+
+def _refuse_unsupported_lightning(text_config) -> None:
+    """Ling-2.5's lightning layers are replayed through SGLang's seg_la kernel, the default `linear_backend`; the
+    `minimax` backend keeps its states through another kernel path (GPU-only), which the interval anchors do not
+    read. A short conv would make SGLang build KDA states for a model whose layers are lightning."""
+    backend = getattr(text_config, "linear_backend", "seg_la")
+    if backend != "seg_la":
+        raise ValueError(f"--enable-tail-replay replays Ling-2.5's lightning layers with linear_backend seg_la (SGLang's "
+                         f"default); this config sets linear_backend={backend!r}. Supported: {SUPPORTED}")
+    if getattr(text_config, "short_conv_kernel_size", None) is not None:
+        raise ValueError("--enable-tail-replay: this BailingMoeV2_5ForCausalLM config has short_conv_kernel_size, "
+                         "which makes SGLang allocate KDA states for lightning layers (a KDA Bailing is Ling-3.0, "
+                         f"BailingMoeV3ForCausalLM). Supported: {SUPPORTED}")
 
 
 def mamba_chunk_size(text_config) -> int:

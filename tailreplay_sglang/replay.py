@@ -41,7 +41,7 @@ def replay_start(match: Match, config: TailReplayConfig) -> int:
 def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
          config: TailReplayConfig) -> ReplayBatch | None:
     pool = runner.req_to_token_pool
-    spans, mamba_rows, lens, reqs, resets, exact = [], [], [], [], [], True
+    spans, mamba_rows, lens, starts, reqs, resets, exact = [], [], [], [], [], [], True
     for row, match, req in rows:
         pool_idx = pool_rows[row]
         if match.reset:
@@ -52,6 +52,7 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
         spans.append(pool.req_to_token[pool_idx, start:match.matched].long())
         mamba_rows.append(pool_idx)
         lens.append(match.matched - start)
+        starts.append(start)
         reqs.append(req)
         exact = exact and match.exact  # an approximate hit reports its survival bound
     device = pool.req_to_token.device
@@ -63,7 +64,7 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return ReplayBatch(torch.cat(spans), pin(cu).to(device, non_blocking=True), mamba_slots, lens, reqs,
-                       needs_survival=not exact)
+                       needs_survival=not exact, tail_starts=starts)
 
 
 def _upload(values: list[int], device) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The Mamba2 and KDA hybrids served by the real SGLang server on CPU: the model (a cold prefill, a hit from a kept
-state) against HF transformers, and Tail-Replay's hits against the server's own no-cache prefill. Every test runs once
-per family (a module-scoped parametrized fixture):
+"""The Mamba2, KDA and lightning hybrids served by the real SGLang server on CPU: the model (a cold prefill, a hit from
+a kept state) against HF transformers, and Tail-Replay's hits against the server's own no-cache prefill. Every test
+runs once per family (a module-scoped parametrized fixture):
 
 - `tiny-nemotron-h` (pattern M-M*-MEM*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
   stage between two Mamba2 layers, group 1 starts with an MLP stage and replays a MoE stage (Nemotron-3's: sigmoid
@@ -11,7 +11,11 @@ per family (a module-scoped parametrized fixture):
   layer, then Kimi's MoE (sigmoid router with a score-correction bias, routed scale 2.446, a shared expert);
 - `tiny-ling-3.0` (Ling-3.0, `BailingMoeV3ForCausalLM`: KDA and gated MLA with RoPE, every 4th layer MLA, config and
   names as Bailing's): transformers has no Ling, so its reference is `tailreplay_eval.ling`'s, transformers' Kimi
-  Linear over the same weights with Ling's MLA (output gate, RoPE) in torch.
+  Linear over the same weights with Ling's MLA (output gate, RoPE) in torch;
+- `tiny-ling-2.5` (Ling-2.5, `BailingMoeV2_5ForCausalLM`: lightning attention and ungated MLA with RoPE): its
+  reference (`tailreplay_eval.ling25`) is the same Kimi Linear body with a torch lightning mixer (float64
+  recurrence) in each linear layer. Its interval anchors are the closed form of the fixed-decay state
+  (`families.lightning.write_anchor_states`).
 
 All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
 Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
@@ -46,7 +50,7 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
              "--enable-cache-report", "--dtype", "float32")
 
 
-FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0")
+FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0", "tiny-ling-2.5")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -278,3 +282,35 @@ def test_ling_reference_checks_what_ling_adds_to_kimi_linear(model_path, servers
             norm.variance_epsilon = 1e-6
     assert error() < LOGPROB_TOL
     assert min(misses.values()) > LOGPROB_TOL, misses
+
+
+def test_ling25_reference_checks_what_lightning_attention_does(model_path, servers, hf):
+    """Ling-2.5 only (transformers has no Ling): the reference's lightning mixer misses the served log-probs by more
+    than LOGPROB_TOL once any of its parts is simplified (no RoPE on q and k, no per-head q/k norm, one norm group
+    instead of `group_norm_size`, one decay per head for every layer instead of SGLang's layerwise factor), so the
+    matches above check each of them."""
+    if model_path.name != "tiny-ling-2.5":
+        pytest.skip("Ling-2.5's reference only")
+    model, _ = hf
+    ids = random_ids(200, 5)
+    flush_cache(servers["anchored"].base_url)
+    out = generate(servers["anchored"], ids, 1, return_logprob=True, logprob_start_len=0)
+    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    mixers = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "slope")]
+
+    def error() -> float:
+        return max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids)))
+
+    assert error() < LOGPROB_TOL
+    for flag in ("rotated", "qk_normed", "grouped"):
+        for mixer in mixers:
+            setattr(mixer, flag, False)
+        assert error() > LOGPROB_TOL, flag
+        for mixer in mixers:
+            setattr(mixer, flag, True)
+    slopes = [mixer.slope for mixer in mixers]
+    for mixer in mixers:  # layer 0's rates (its layerwise factor is 1) everywhere
+        mixer.slope = slopes[0]
+    assert error() > LOGPROB_TOL, "layerwise decay"
+    for mixer, slope in zip(mixers, slopes):
+        mixer.slope = slope

@@ -24,6 +24,7 @@ class ReplayBatch:
     # Whether any tail is a zero-init one, whose survival bound is reported; an all-exact pass computes none
     needs_survival: bool = True
     token_tail: torch.Tensor | None = None  # [sum k] which tail each replayed token belongs to (built once a pass)
+    tail_starts: list[int] | None = None  # each tail's first position in its sequence (families whose mixer rotates)
 
     def tail_of_each_token(self, device) -> torch.Tensor:
         """[sum k] the tail index of every replayed token, on `device`: built on the host from `tail_lens` once per
@@ -33,6 +34,11 @@ class ReplayBatch:
             host = torch.repeat_interleave(torch.arange(len(self.tail_lens)), lens)
             self.token_tail = pin(host).to(device, non_blocking=True)
         return self.token_tail
+
+    def token_positions(self, device) -> torch.Tensor:
+        """[sum k] the position in its sequence of every replayed token, on `device` (uploaded without a sync)."""
+        host = torch.cat([torch.arange(start, start + n) for start, n in zip(self.tail_starts, self.tail_lens)])
+        return pin(host).to(device, non_blocking=True)
 
     def feed_forward(self, mlp, h: torch.Tensor) -> torch.Tensor:
         """A feed-forward block (MLP or MoE) over this batch's rows `h`, its TP sum complete."""

@@ -15,16 +15,17 @@ CHUNK_SIZE = 64
 
 
 def scan(q, k, v, slope, state, scale: float, ends=(), state_only: bool = False):
-    """One sequence: q, k, v [T, H, D]; slope [H]; state [H, D_k, D_v], the state entering the sequence (read, not
-    written). Math in float32. Returns (o [T, H, D_v] or None when `state_only`, the final state, the states after
+    """One sequence: q, k, v [T, H, D] (q unused, may be None, when `state_only`); slope [H]; state [H, D_k, D_v],
+    the state entering the sequence (read, not written). Math in float32. Returns (o [T, H, D_v] or None when `state_only`, the final state, the states after
     each position in `ends` (offsets 1..T, ascending))."""
-    q, k, v = (x.float() for x in (q, k, v))
+    q = None if state_only else q.float()
+    k, v = k.float(), v.float()
     state, slope = state.float(), slope.float().reshape(-1)
     outs, states, start = [], [], 0
     for end in list(ends) + [k.shape[0]]:
         for c in range(start, end, CHUNK_SIZE):
-            o, state = _chunk(None if state_only else q[c:min(c + CHUNK_SIZE, end)], k[c:min(c + CHUNK_SIZE, end)],
-                              v[c:min(c + CHUNK_SIZE, end)], slope, state, scale)
+            chunk = slice(c, min(c + CHUNK_SIZE, end))
+            o, state = _chunk(None if q is None else q[chunk], k[chunk], v[chunk], slope, state, scale)
             outs.append(o)
         states.append(state)
         start = end
