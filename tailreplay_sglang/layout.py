@@ -163,8 +163,8 @@ def _refuse_unsupported_lightning(text_config) -> None:
     read. A short conv would make SGLang build KDA states for a model whose layers are lightning."""
     backend = getattr(text_config, "linear_backend", "seg_la")
     if backend != "seg_la":
-        raise ValueError(f"--enable-tail-replay replays Ling-2.5's lightning layers with linear_backend seg_la (SGLang's "
-                         f"default); this config sets linear_backend={backend!r}. Supported: {SUPPORTED}")
+        raise ValueError(f"--enable-tail-replay replays Ling-2.5's lightning layers with linear_backend seg_la "
+                         f"(SGLang's default); this config sets linear_backend={backend!r}. Supported: {SUPPORTED}")
     if getattr(text_config, "short_conv_kernel_size", None) is not None:
         raise ValueError("--enable-tail-replay: this BailingMoeV2_5ForCausalLM config has short_conv_kernel_size, "
                          "which makes SGLang allocate KDA states for lightning layers (a KDA Bailing is Ling-3.0, "

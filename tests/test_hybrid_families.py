@@ -245,6 +245,16 @@ def test_production_path_chat_turns_and_forks_are_exact(servers):
     assert_exact(hit, no_cache(server, ids, 450))
 
 
+def reference_error(server, model):
+    """A function giving the largest difference between the served no-cache log-probs of a 200-token prompt and
+    the reference's, as the reference is at the time of the call."""
+    ids = random_ids(200, 5)
+    flush_cache(server.base_url)
+    out = generate(server, ids, 1, return_logprob=True, logprob_start_len=0)
+    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    return lambda: max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids)))
+
+
 def test_ling_reference_checks_what_ling_adds_to_kimi_linear(model_path, servers, hf):
     """Ling-3.0 only (transformers has no Ling): the reference the tests above hold the server to misses the served
     log-probs by more than LOGPROB_TOL once any of Ling's three differences from Kimi Linear is taken out of it
@@ -252,15 +262,9 @@ def test_ling_reference_checks_what_ling_adds_to_kimi_linear(model_path, servers
     if model_path.name != "tiny-ling-3.0":
         pytest.skip("Ling-3.0's reference only")
     model, _ = hf
-    ids = random_ids(200, 5)
-    flush_cache(servers["anchored"].base_url)
-    out = generate(servers["anchored"], ids, 1, return_logprob=True, logprob_start_len=0)
-    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    error = reference_error(servers["anchored"], model)
     attention = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "g_proj")]
     norms = [layer.self_attn.o_norm for layer in model.model.layers if hasattr(layer.self_attn, "o_norm")]
-
-    def error() -> float:
-        return max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids)))
 
     def without(flag: str) -> float:
         for mla in attention:
@@ -292,14 +296,8 @@ def test_ling25_reference_checks_what_lightning_attention_does(model_path, serve
     if model_path.name != "tiny-ling-2.5":
         pytest.skip("Ling-2.5's reference only")
     model, _ = hf
-    ids = random_ids(200, 5)
-    flush_cache(servers["anchored"].base_url)
-    out = generate(servers["anchored"], ids, 1, return_logprob=True, logprob_start_len=0)
-    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    error = reference_error(servers["anchored"], model)
     mixers = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "slope")]
-
-    def error() -> float:
-        return max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids)))
 
     assert error() < LOGPROB_TOL
     for flag in ("rotated", "qk_normed", "grouped"):

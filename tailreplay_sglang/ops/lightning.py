@@ -16,8 +16,8 @@ CHUNK_SIZE = 64
 
 def scan(q, k, v, slope, state, scale: float, ends=(), state_only: bool = False):
     """One sequence: q, k, v [T, H, D] (q unused, may be None, when `state_only`); slope [H]; state [H, D_k, D_v],
-    the state entering the sequence (read, not written). Math in float32. Returns (o [T, H, D_v] or None when `state_only`, the final state, the states after
-    each position in `ends` (offsets 1..T, ascending))."""
+    the state entering the sequence (read, not written). Math in float32. Returns (o [T, H, D_v] or None when
+    `state_only`, the final state, the states after each position in `ends` (offsets 0..T, ascending))."""
     q = None if state_only else q.float()
     k, v = k.float(), v.float()
     state, slope = state.float(), slope.float().reshape(-1)
