@@ -28,7 +28,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import GDN, KDA, MAMBA2, family_of, served_list  # noqa: F401 (re-exported)
+from tailreplay_sglang.architectures import (GDN, KDA, LIGHTNING, MAMBA2, family_of,  # noqa: F401 (re-exported)
+                                             served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 SUPPORTED = served_list()
@@ -142,8 +143,9 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
     if "BailingMoeV3ForCausalLM" in architectures and getattr(text_config, "short_conv_kernel_size", None) is None:
         raise ValueError("--enable-tail-replay replays Ling-3.0's KDA layers, which a Bailing config declares with "
-                         "short_conv_kernel_size; this one has none (a lightning-attention Bailing, Ling-2.5's "
-                         f"mixer, which has no replay family here). Supported: {SUPPORTED}")
+                         "short_conv_kernel_size; this one has none (its layers would be built as lightning "
+                         "attention, Ling-2.5's mixer, which SGLang serves as BailingMoeV2_5ForCausalLM). "
+                         f"Supported: {SUPPORTED}")
     if "BailingMoeV2_5ForCausalLM" in architectures:
         _refuse_unsupported_lightning(text_config)
     if is_parallel_hybrid(architectures):

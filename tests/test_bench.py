@@ -436,20 +436,21 @@ def test_memory_row_of_a_refused_parallel_hybrid_says_what_the_store_would_cost(
 
 
 def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monkeypatch):
-    """Four frontier hybrids are refused (architectures.REFUSED's reason in the row) and Ling-3.0 is served; the rows
+    """Three frontier hybrids are refused (architectures.REFUSED's reason in the row), Ling-3.0 and Ling-2.5 are
+    served; the rows
     say what the store keeps or would keep: every hyper-connection stream of each stored group's input, and Kimi K3's
     banked rows. The hidden rows per token against the KV (excluding the indexer): Qwen3.8-Flash-Next 11 x 4 x 2048 x
     2 B against 12 x 2 x 2 x 256 x 2 B, 7.3x; GLM-5.3-Flash 11 x 4 x 4096 x 2 B against 11 x 512 x 2 B, 32x. The
     notes' "about 28x" is GLM's hiddens against KV + a DSA indexer sized at index_kpool 1 (SGLang's value where the
     config has none)."""
-    from tailreplay_sglang.architectures import REFUSED
+    from tailreplay_sglang.architectures import REFUSED, SERVED
 
     monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
     monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
     acc = {name: memory.account(name, ["--dtype", "auto"]) for name in memory.FRONTIER}
     for name, row in acc.items():
         architecture = memory.FRONTIER[name]["architectures"][0]
-        assert ("refused" in row) is (architecture != "BailingMoeV3ForCausalLM"), name
+        assert ("refused" in row) is (architecture not in SERVED), name
         if "refused" in row:
             assert REFUSED[architecture] in row["refused"]
             assert row["anchors"]["intervals"] == [] and row["hidden_dtype"] == row["kv_dtype"] == "bfloat16"
@@ -471,6 +472,9 @@ def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monke
     assert kimi["tail_replay_hidden_bytes_per_token"] == (22 + 7) * 7168 * 2 + 8
     assert [(acc[m]["fa_layers"], acc[m]["gdn_layers"], acc[m]["stored_groups"])
             for m in ("Ling-3.0-flash", "Ling-2.5-1T")] == [(7, 35, 6), (10, 70, 9)]
+    # Ling-2.5-1T: 9 stored groups of 8192 values against 10 MLA latents of 512 + 64, 12.8x
+    assert acc["Ling-2.5-1T"]["tail_replay_hidden_bytes_per_token"] == 9 * 8192 * 2 + 8
+    assert round(acc["Ling-2.5-1T"]["hiddens_per_kv"], 1) == 12.8
 
 
 def _frontier_fields(name: str) -> dict:

@@ -162,3 +162,32 @@ def test_ling_groups_from_its_layer_group_size(tmp_path):
         assert [g.first_layer for g in lay.stored_groups] == [4]
     with pytest.raises(ValueError, match="short_conv_kernel_size.*lightning"):
         read(short_conv_kernel_size=None)
+
+
+def test_ling25_groups_and_what_is_refused(tmp_path):
+    """Ling-2.5 (tiny-ling-2.5's config, as its builder writes it): lightning groups between the MLA layers; refused
+    with the reason: the `minimax` linear backend, and a short conv (KDA states for lightning layers)."""
+    import json
+
+    import pytest
+
+    from tailreplay_eval.ling25 import ling25_config
+    from tailreplay_eval.models import PRESETS, moonshot_config_fields, preset_tokenizer
+    from tailreplay_sglang.layout import LIGHTNING
+
+    preset = PRESETS["tiny-ling-2.5"]
+    kimi = dict(moonshot_config_fields(preset, preset_tokenizer(preset)), dtype="float32")
+    config = ling25_config(kimi, rope_theta=10_000.0)
+
+    def read(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        return HybridLayout.from_model_path(str(tmp_path))
+
+    lay = read()
+    assert lay.mixer == LIGHTNING
+    assert [g.recurrent_layers for g in lay.groups] == [(0, 1, 2), (4, 5, 6)]
+    assert [g.first_layer for g in lay.stored_groups] == [4]
+    with pytest.raises(ValueError, match="linear_backend seg_la.*'minimax'"):
+        read(linear_backend="minimax")
+    with pytest.raises(ValueError, match="short_conv_kernel_size.*KDA"):
+        read(short_conv_kernel_size=4)
