@@ -37,6 +37,9 @@ STORED_ANCHOR_HITS = ("tests/test_hicache_tail_replay.py::test_second_server_hit
 # Issue 64 E's decision, against SGLang's own MLP-sync rows
 E_TEST = "tests/test_dp_collectives.py::test_steps_without_a_replay_anywhere_skip_the_row_exchange"
 # The server tests that cut a prefix after its match (the test plugin's fault): a retarget in the real scheduler
+# A Ling-2.5 fork hit (tiny-ling-2.5; "fork-anchor"): replayed from an interval anchor, then HF's greedy on a later hit
+LING25_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
+               "[tiny-ling-2.5-{}]")
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
@@ -264,6 +267,28 @@ MUTANTS = (
            "stream.residual[:n].roll(1, 0))",
            ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
             "[tiny-ling-3.0-560-512]",), server=True),
+    # Ling-2.5 (issue 67): what a lightning replay and its anchors need
+    Mutant("ling25-anchor-in-decode", "lightning interval anchors written in every forward while the prefill's plan "
+           "is set, the decode forwards after it included", "tailreplay_sglang/families/lightning.py",
+           "    if not anchors.by_slot or metadata.num_prefills == 0 or kwargs.get(\"temp_cache\") is not None:",
+           "    if not anchors.by_slot or kwargs.get(\"temp_cache\") is not None:",
+           (LING25_FORK.format("100-0"),), server=True),
+    Mutant("ling25-positions", "the replay rotates a tail's q and k at positions from 0, not from the tail's start",
+           "tailreplay_sglang/families/base.py",
+           "        host = torch.cat([torch.arange(start, start + n) for start, n in zip(self.tail_starts, "
+           "self.tail_lens)])",
+           "        host = torch.cat([torch.arange(n) for start, n in zip(self.tail_starts, self.tail_lens)])",
+           (LING25_FORK.format("560-512"),), server=True),
+    Mutant("ling25-anchor-offset", "a lightning interval anchor's closed form stops one token short of its offset",
+           "tailreplay_sglang/families/lightning.py",
+           "                                      ends=[offset for offset, _ in cuts], state_only=True)",
+           "                                      ends=[max(offset - 1, 0) for offset, _ in cuts], state_only=True)",
+           (LING25_FORK.format("560-512"),), server=True),
+    Mutant("ling25-layer-slopes", "the replay decays each lightning layer at the previous layer's rates",
+           "tailreplay_sglang/families/lightning.py",
+           "            layer, rate = model.layers[layer_id], rates[layer_id].to(x.device, non_blocking=True)",
+           "            layer, rate = model.layers[layer_id], rates[layer_id - 1].to(x.device, non_blocking=True)",
+           (LING25_FORK.format("560-512"),), server=True),
 )
 
 
