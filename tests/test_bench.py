@@ -12,6 +12,7 @@ from rich.console import Console
 
 from helpers import load_bench
 from tailreplay_eval import bench_serving, harness, memory
+from tailreplay_sglang.architectures import SERVED
 
 load = load_bench("load")
 profile_load = load_bench("profile_load")
@@ -443,7 +444,7 @@ def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monke
     2 B against 12 x 2 x 2 x 256 x 2 B, 7.3x; GLM-5.3-Flash 11 x 4 x 4096 x 2 B against 11 x 512 x 2 B, 32x. The
     notes' "about 28x" is GLM's hiddens against KV + a DSA indexer sized at index_kpool 1 (SGLang's value where the
     config has none)."""
-    from tailreplay_sglang.architectures import REFUSED, SERVED
+    from tailreplay_sglang.architectures import REFUSED
 
     monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
     monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
@@ -566,10 +567,12 @@ def test_memory_all_table_and_json(tmp_path):
     assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"]) == (7, 20, 6)
     assert kimi["fa_kv_bytes_per_token"] == 7 * (512 + 64) * 2
     assert [m["model"] for m in data["models"] if "refused" in m] == [
-        "Falcon-H1-7B", *(name for name in memory.FRONTIER if name != "Ling-3.0-flash")]  # Ling-3.0: served
+        "Falcon-H1-7B", *(name for name in memory.FRONTIER if name not in FRONTIER_SERVED)]
 
 
 PER_RANK_SERVED = [m for m in memory.PER_RANK_MODELS if m not in memory.FRONTIER]
+# The frontier models Tail-Replay serves (Ling-3.0, Ling-2.5): rows, not refusals or projections
+FRONTIER_SERVED = {name for name, config in memory.FRONTIER.items() if config["architectures"][0] in SERVED}
 
 
 def test_memory_per_rank_shards_the_store_and_follows_sglangs_kv_and_state_sharding(monkeypatch):
@@ -638,9 +641,9 @@ def test_memory_per_rank_table_and_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
     assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 2
-    served = {"Ling-3.0-flash"}  # the one frontier model Tail-Replay serves: a row, not a projection
-    assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - served
-    assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | served
+    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T"}
+    assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - FRONTIER_SERVED
+    assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | FRONTIER_SERVED
     assert "not measured" in data["note"]
 
 

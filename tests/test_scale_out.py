@@ -7,9 +7,10 @@ allows no more ranks than NUMA nodes (one here).
 import psutil
 import pytest
 
-from helpers import (CONTEXT, QUESTION, EXACT_FLAGS, Spec, assert_exact, generate, hicache_spec, no_cache, random_ids,
-                     scored, start_server, start_servers)
+from helpers import (CONTEXT, QUESTION, EXACT_FLAGS, MODELS_DIR, Spec, assert_exact, generate, hicache_spec, no_cache,
+                     random_ids, scored, start_server, start_servers)
 from soak import pools, wait_idle
+from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -130,6 +131,37 @@ def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp):
     reference = prompt_logprobs(model, ids)
     assert len(served) >= 5
     assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def ling25_tp_server(tmp_path_factory):
+    """Ling-2.5 at TP 2 with interval anchors every 128 tokens (tiny-ling-2.5: 4 lightning heads, 2 norm groups)."""
+    path = build_model("tiny-ling-2.5", MODELS_DIR / "tiny-ling-2.5")
+    yield from start_server(path, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval", "128",
+                            "--tail-replay-fold-tokens", "0", "--dtype", "float32", "--enable-cache-report",
+                            "--tp-size", "2", env=TWO_RANKS)
+
+
+def test_tp2_lightning_hits_from_interval_anchors_are_exact(ling25_tp_server):
+    """Each rank replays its 2 of the 4 lightning heads with its slice of SGLang's decay rates and its output-norm
+    group, and writes its heads' anchors; the dense projections and MoE blocks are reduced across ranks. A cold
+    prefill is the reference's greedy (SGLang's own TP forward); forks from the root and from the anchor at 256 equal
+    the server's no-cache prefill."""
+    from tailreplay_eval.reference import load_reference
+
+    server = ling25_tp_server
+    model = load_reference(MODELS_DIR / "tiny-ling-2.5")
+    flush_cache(server.base_url)
+    prompt = random_ids(600, seed=21)
+    cold = generate(server, prompt, NEW)
+    assert cold["meta_info"]["cached_tokens"] == 0 and cold["output_ids"] == greedy_generate(model, prompt, NEW)
+    for fork, anchor in ((100, 0), (300, 256)):
+        ids = prompt[:fork] + random_ids(30, seed=fork)
+        hit = scored(server, ids, fork)
+        assert hit["meta"]["cached_tokens"] == fork and hit["meta"]["tail_replay_anchor"] == anchor, hit["meta"]
+        assert hit["meta"]["tail_replay_exact"] is True
+        assert_exact(hit, no_cache(server, ids, fork))
+        generate(server, prompt, 1)  # the prompt back in the tree for the next fork
 
 
 def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf_qwen35):
