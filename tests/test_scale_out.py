@@ -151,17 +151,16 @@ def test_tp2_lightning_hits_from_interval_anchors_are_exact(ling25_tp_server):
 
     server = ling25_tp_server
     model = load_reference(MODELS_DIR / "tiny-ling-2.5")
-    flush_cache(server.base_url)
     prompt = random_ids(600, seed=21)
-    cold = generate(server, prompt, NEW)
-    assert cold["meta_info"]["cached_tokens"] == 0 and cold["output_ids"] == greedy_generate(model, prompt, NEW)
     for fork, anchor in ((100, 0), (300, 256)):
+        flush_cache(server.base_url)
+        cold = generate(server, prompt, NEW)  # anchors at 128, 256, 384 and 512
+        assert cold["meta_info"]["cached_tokens"] == 0 and cold["output_ids"] == greedy_generate(model, prompt, NEW)
         ids = prompt[:fork] + random_ids(30, seed=fork)
         hit = scored(server, ids, fork)
         assert hit["meta"]["cached_tokens"] == fork and hit["meta"]["tail_replay_anchor"] == anchor, hit["meta"]
         assert hit["meta"]["tail_replay_exact"] is True
         assert_exact(hit, no_cache(server, ids, fork))
-        generate(server, prompt, 1)  # the prompt back in the tree for the next fork
 
 
 def test_dp2_each_rank_keeps_its_own_cache_and_replays_exactly(dp_server, hf_qwen35):
