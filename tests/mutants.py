@@ -286,8 +286,8 @@ MUTANTS = (
            (LING25_FORK.format("560-512"),), server=True),
     Mutant("ling25-layer-slopes", "the replay decays each lightning layer at the previous layer's rates",
            "tailreplay_sglang/families/lightning.py",
-           "            layer, rate = model.layers[layer_id], rates[layer_id].to(x.device, non_blocking=True)",
-           "            layer, rate = model.layers[layer_id], rates[layer_id - 1].to(x.device, non_blocking=True)",
+           "            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)",
+           "            layer, rate = model.layers[layer_id], pin(rates[layer_id - 1]).to(x.device, non_blocking=True)",
            (LING25_FORK.format("560-512"),), server=True),
 )
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tailreplay_sglang import capture
 from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements, reduction_owner, tp_reduced
 from tailreplay_sglang.ops import lightning
+from tailreplay_sglang.store.transfer import pin
 
 _SEG_LA = "sglang.kernels.ops.attention.linear.seg_la"
 _NORM = "sglang.kernels.ops.attention.fla.layernorm_gated:layernorm_fn"
@@ -45,7 +46,7 @@ class LightningFamily(Family):
         positions = batch.token_positions(x.device)
         rates = slopes(model.config)
         for layer_id in group.recurrent_layers:
-            layer, rate = model.layers[layer_id], rates[layer_id].to(x.device, non_blocking=True)
+            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)
             out = replay_lightning_mixer(layer.attention, pool.mamba2_layer_cache(layer_id).temporal,
                                          layer.input_layernorm(x), positions, rate, batch,
                                          state_only=layer_id == group.recurrent_layers[-1])
