@@ -5,7 +5,9 @@
 # Usage: scripts/gpu_check.sh [--out runs/gpu_check.json] [--skip PART ...] [--model DIR]
 # What a machine lacks (fla-core, transformers, hypothesis) comes as wheels in .whl/ (scripts/gpu_wheels.sh, here),
 # installed into .site/ first. On a lent device, from this machine:
-#   scripts/gpu_wheels.sh, then run(command="scripts/gpu_check.sh --out $OUT/gpu_check.json", carry=[".whl"])
+#   scripts/gpu_wheels.sh, then run(command="scripts/gpu_check.sh --out $OUT/gpu_check.json", carry=[".whl",
+#   ".venv/lib/python3.11/site-packages/sglang/kernels/ops/attention/linear/seg_la.py"]) (SGLang's lightning kernel,
+#   standalone Triton, for tests/test_kernels.py)
 # Writes one JSON after every part (default runs/gpu_check.json); exit status 1 if a part that ran failed.
 # Nothing in CI runs it.
 set -euo pipefail

@@ -2,8 +2,9 @@
 
 1. `kernels`: natively on CUDA, no SGLang needed: tests/test_kernels.py (the Triton replay kernels against float64
    references, in float32 and bfloat16, and fla's chunk kernel on the replay's path), and the CUDA paths of the
-   hidden store's tiers and transfers (tests/test_hidden_tier.py) and of the host anchors' copies
-   (tests/test_host_anchor_copies.py); the counts come from its junit report.
+   hidden store's tiers and transfers (tests/test_hidden_tier.py), of the host anchors' copies
+   (tests/test_host_anchor_copies.py), and SGLang's lightning kernel `seg_la` against the torch scan where its file is
+   carried (tests/test_kernels.py); the counts come from its junit report.
 2. `kernel_bench`: bench/kernel_bench.py on CUDA: the replay kernel (and the dispatched replay) against fla's chunk
    kernel, by tails and tokens (the GPU note's table).
 3. `serving` (needs sglang==0.5.23 with CUDA): stock SGLang and `--enable-tail-replay` side by side under SGLang's

@@ -30,6 +30,7 @@ from helpers import rel_err
 from tailreplay_sglang import kernels
 from tailreplay_sglang.ops import conv as ops_conv
 from tailreplay_sglang.ops import gdn as ops_gdn
+from tailreplay_sglang.ops import lightning as ops_lightning
 
 TOL = 1e-5
 BF16_TOL = 2e-2  # bfloat16 inputs and outputs, TF32 dots; the reference sees the same rounded inputs
@@ -486,3 +487,46 @@ def test_triton_gdn_replay_beta_scale_2_matches_recurrence():
 def test_torch_gdn_replay_beta_scale_2_matches_recurrence():
     _check_beta_scale_2(lambda x, cu, slots, pool: kernels.gdn_replay_torch(
         *x, cu, initial_states=pool, initial_state_indices=slots, beta_scale=2.0)[0], "cpu")
+
+
+# SGLang's seg_la kernel file: standalone Triton (torch, triton, dataclasses), so a GPU machine without SGLang runs it
+# when the file travels with the tree (scripts/gpu_check.sh: `carry` it). Its prefill kernel does not run under
+# TRITON_INTERPRET=1 (its scalar-masked state load: "mask has unsupported dtype"), so only a GPU checks it.
+SEG_LA_FILE = (Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/sglang/kernels/ops/attention"
+               / "linear/seg_la.py")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not SEG_LA_FILE.exists(),
+                    reason="needs a CUDA GPU and SGLang's seg_la.py (installed, or carried to the device)")
+def test_sglangs_triton_seg_la_is_what_the_torch_scan_computes():
+    """The kernel the replay calls on a GPU against the scan the CPU port and the interval anchors use: a packed
+    prefill continuing one slot and starting another from zero, then a decode step, at Ling-2.5's 128-wide heads."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seg_la_kernel", SEG_LA_FILE)
+    kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel)
+    torch.manual_seed(3)
+    H, D, lengths = 4, 128, [300, 77]
+    q, k, v = (torch.randn(sum(lengths), H, D, device="cuda") * 0.3 for _ in range(3))
+    pool = torch.randn(4, H, D, D, device="cuda") * 0.1
+    before = pool.clone()
+    slope = torch.logspace(0, -4, H).reshape(H, 1, 1).cuda()  # memories from about 1 token to about 10^4
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    meta = kernel.SegLaMeta(batch_size=2, max_q_length=None, q_offsets=cu, q_lengths=cu.diff(),
+                            s_offsets=torch.tensor([3, 1], dtype=torch.int32, device="cuda"),
+                            s_scales=torch.tensor([1, 0], dtype=torch.int32, device="cuda"))
+    o = kernel.seg_la_fwd(q, k, v, pool, slope, meta, softmax_scale=D ** -0.5)
+    for (start, end), slot, entering in (((0, 300), 3, before[3]), ((300, 377), 1, torch.zeros_like(before[1]))):
+        ref_o, ref_final, _ = ops_lightning.scan(q[start:end], k[start:end], v[start:end], slope, entering, D ** -0.5)
+        assert rel_err(o[start:end], ref_o) < 1e-4 and rel_err(pool[slot], ref_final) < 1e-4
+    step = [t[:1].clone() for t in (q, k, v)]
+    decode_meta = kernel.SegLaMeta(batch_size=1, max_q_length=None,
+                                   q_offsets=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                                   q_lengths=torch.ones(1, dtype=torch.int32, device="cuda"),
+                                   s_offsets=torch.tensor([3], dtype=torch.int32, device="cuda"),
+                                   s_scales=torch.ones(1, dtype=torch.int32, device="cuda"))
+    state = pool[3].clone()
+    o_step = kernel.seg_la_fwd(*step, pool, slope, decode_meta, softmax_scale=D ** -0.5)
+    ref_o, ref_final, _ = ops_lightning.scan(*step, slope, state, D ** -0.5)
+    assert rel_err(o_step, ref_o) < 1e-4 and rel_err(pool[3], ref_final) < 1e-4

@@ -100,3 +100,4 @@ def test_grouped_sigmoid_gated_rmsnorm_and_layernorm_fn_match_their_formulas():
     heads = torch.randn(7, 4, 16)
     per_head = heads.double() / heads.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * weight[:16].double()
     assert rel_err(triton_branches.layernorm_fn(heads, weight[:16], None, eps=1e-6, is_rms_norm=True), per_head) < TOL
+
