@@ -133,24 +133,25 @@ def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp):
     assert max(abs(lp - reference[pos - 1]) for pos, lp in served.items()) < 1e-3
 
 
-@pytest.fixture(scope="module")
-def ling25_tp_server(tmp_path_factory):
-    """Ling-2.5 at TP 2 with interval anchors every 128 tokens (tiny-ling-2.5: 4 lightning heads, 2 norm groups)."""
-    path = build_model("tiny-ling-2.5", MODELS_DIR / "tiny-ling-2.5")
+@pytest.fixture(scope="module", params=["tiny-ling-2.5", "tiny-ling-3.0"])
+def ling_tp_server(request, tmp_path_factory):
+    """Ling at TP 2 with interval anchors every 128 tokens: tiny-ling-2.5 (4 lightning heads, 2 norm groups) and
+    tiny-ling-3.0 (4 KDA heads with their conv channels, gates and A_log per rank)."""
+    path = build_model(request.param, MODELS_DIR / request.param)
     yield from start_server(path, tmp_path_factory, "--enable-tail-replay", "--tail-replay-anchor-interval", "128",
                             "--tail-replay-fold-tokens", "0", "--dtype", "float32", "--enable-cache-report",
                             "--tp-size", "2", env=TWO_RANKS)
 
 
-def test_tp2_lightning_hits_from_interval_anchors_are_exact(ling25_tp_server):
-    """Each rank replays its 2 of the 4 lightning heads with its slice of SGLang's decay rates and its output-norm
-    group, and writes its heads' anchors; the dense projections and MoE blocks are reduced across ranks. A cold
-    prefill is the reference's greedy (SGLang's own TP forward); forks from the root and from the anchor at 256 equal
-    the server's no-cache prefill."""
+def test_tp2_ling_hits_from_interval_anchors_are_exact(ling_tp_server):
+    """Each rank replays its 2 of the 4 linear-attention heads (Ling-2.5: with its slice of SGLang's decay rates and
+    its output-norm group; Ling-3.0: its KDA heads' conv, gates and decays) and writes its heads' anchors; the
+    output projections and MoE blocks are reduced across ranks. A cold prefill is the reference's greedy (SGLang's
+    own TP forward); forks from the root and from the anchor at 256 equal the server's no-cache prefill."""
     from tailreplay_eval.reference import load_reference
 
-    server = ling25_tp_server
-    model = load_reference(MODELS_DIR / "tiny-ling-2.5")
+    server = ling_tp_server
+    model = load_reference(server.model_path)
     prompt = random_ids(600, seed=21)
     for fork, anchor in ((100, 0), (300, 256)):
         flush_cache(server.base_url)
