@@ -163,17 +163,32 @@ def launch(tmp_path_factory, specs: dict[str, Spec], servers: dict | None = None
     servers = {} if servers is None else servers
     try:
         for name, spec in specs.items():
-            log = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
-            # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises
-            env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(spec.env or {})}
-            servers[name] = ServerProcess(str(spec.model_path), tuple(spec.args), log_path=log, env=env,
-                                          **spec.kwargs).start()
-        for server in servers.values():
-            server.wait_healthy()
+            servers[name] = _started(tmp_path_factory, name, spec)
+        for name, spec in specs.items():
+            try:
+                servers[name].wait_healthy()
+            except RuntimeError as error:
+                if PORT_RACE not in str(error):
+                    raise
+                servers[name].stop()  # once more, on ports of its own
+                servers[name] = _started(tmp_path_factory, name, spec).wait_healthy()
     except BaseException:
         stop_all(servers, check_holds=False)
         raise
     return servers
+
+
+# SGLang picks its internal ports (the scheduler's torch.distributed store among them) at random below the ephemeral
+# range, checks them free, and binds them later in a child process: a server starting beside it can take one in
+# between (seen in CI: a PD decode server's TCPStore, "EADDRINUSE"). Such a start is tried once more.
+PORT_RACE = "address already in use"
+
+
+def _started(tmp_path_factory, name: str, spec) -> ServerProcess:
+    log = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
+    # SGLang's idle invariant check (every KV slot, mamba slot and request row accounted for) raises
+    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(spec.env or {})}
+    return ServerProcess(str(spec.model_path), tuple(spec.args), log_path=log, env=env, **spec.kwargs).start()
 
 
 HOLD_KEYS = ("host_anchor_pins", "staged_anchors")
