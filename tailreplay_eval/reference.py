@@ -88,6 +88,15 @@ def prompt_logprobs(model, input_ids: list[int]) -> list[float]:
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
+@torch.no_grad()
+def recurrent_states(model, input_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Each linear-attention layer's recurrent state after the prompt, {layer id: [HV, V, K] float32}: HF's GDN state
+    ([1, HV, K, V]) in SGLang's pool layout, to compare with the states a server rebuilt."""
+    cache = model(input_ids=torch.tensor([input_ids]), use_cache=True).past_key_values
+    return {i: layer.recurrent_states[0][0].transpose(-1, -2).float() for i, layer in enumerate(cache.layers)
+            if getattr(layer, "recurrent_states", None)}
+
+
 # --- Ling-3.0: transformers' Kimi Linear with Ling's MLA (tailreplay_eval.ling explains the differences) ---
 
 def _rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

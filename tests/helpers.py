@@ -63,12 +63,14 @@ FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only 
 
 
 def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False,
-               raise_on_rid: bool = False, watch_pool_writes: Path | None = None) -> dict:
+               raise_on_rid: bool = False, watch_pool_writes: Path | None = None,
+               dump_states: Path | None = None) -> dict:
     """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
     replay pass that ran is held for `replay_delay_s`, and logged to `events` (read with `FaultEvents`) first; with
     `cut_prefixes`, a request with rid `cut<N>-...` extends from at most N tokens, whatever its match planned; with
     `raise_on_rid`, the replay pass that served a request with rid `raise-...` raises once it ran; with
-    `watch_pool_writes`, every mamba-pool slot write outside a forward is logged there (`pool_writes`)."""
+    `watch_pool_writes`, every mamba-pool slot write outside a forward is logged there (`pool_writes`); with
+    `dump_states`, the states a replay rebuilt for a request with rid `dump-...` are saved there (`dumped_states`)."""
     path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
     if cut_prefixes:
@@ -77,6 +79,8 @@ def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_pref
         env["TAILREPLAY_FAULT_RAISE"] = "1"  # its RAISE_ENV
     if watch_pool_writes is not None:
         env["TAILREPLAY_WATCH_POOL_WRITES"] = str(watch_pool_writes)  # its WATCH_ENV
+    if dump_states is not None:
+        env["TAILREPLAY_DUMP_REPLAYED_STATES"] = str(dump_states)  # its DUMP_ENV
     return {**env, "TAILREPLAY_FAULT_EVENTS": str(events)} if events else env  # its EVENTS_ENV
 
 
@@ -85,6 +89,12 @@ def pool_writes(path: Path) -> dict[str, list[str]]:
     forward, and the first made inside one."""
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {where: [r[where] for r in records if where in r] for where in ("outside_forward", "inside_forward")}
+
+
+def dumped_states(folder: Path, rid: str) -> dict:
+    """The recurrent states a replay rebuilt for request `rid` (`faults_env(dump_states=...)`): {layer id: [HV, V, K]
+    float32}, in SGLang's pool layout."""
+    return torch.load(folder / f"{rid}.pt")
 
 
 class FaultEvents:

@@ -199,6 +199,11 @@ MUTANTS = (
     Mutant("dp-peers-rows", "attention-TP peers each add their group's rows into the gathered buffer",
            "tailreplay_sglang/dp_attention.py", "        if h is not None and parallel.attn_tp_rank == 0:",
            "        if h is not None:", ("tests/test_dp_collectives.py",)),
+    Mutant("dp-participate-order", "a rank taking part in another's replay walks the feed-forward blocks in reverse "
+           "order (its collectives pair with the wrong blocks' partial sums)", "tailreplay_sglang/families/base.py",
+           "        for mlp in self.feed_forwards(model, layout):",
+           "        for mlp in reversed(self.feed_forwards(model, layout)):",
+           ("tests/test_dp_attention.py::test_rebuilt_states_equal_hfs",), server=True),
     Mutant("replan-skip", "a load-back that brings fewer tokens than planned keeps the old plan (replan_after_load)",
            "tailreplay_sglang/cache/component.py",
            "        if state is None or state.match is None or state.match.matched == m:",

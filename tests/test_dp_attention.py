@@ -19,15 +19,16 @@ fixture is parametrized): each is two ranks on the two cores (`SGLANG_CPU_OMP_TH
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import (EXACT_FLAGS, FaultEvents, Spec, assert_exact, faults_env, generate, generate_response, no_cache,
-                     random_ids, scored, start_servers)
+from helpers import (EXACT_FLAGS, FaultEvents, Spec, assert_exact, dumped_states, faults_env, generate,
+                     generate_response, no_cache, random_ids, scored, start_servers)
 import requests
 
 from soak import POOLS_KEY, pool_leaks, wait_idle
-from tailreplay_eval.reference import greedy_generate
+from tailreplay_eval.reference import greedy_generate, recurrent_states
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
@@ -45,6 +46,11 @@ SERVERS = {
     "tr-ep": ("tiny_qwen35_moe", (*EP, *ANCHORED)),
 }
 NEW = 8
+HF_OF = {"tr-dpa-moe": "hf_qwen35_moe", "tr-dpa-dense": "hf_qwen35"}
+# The largest difference of a rebuilt recurrent state from HF's, relative to the state's largest entry. Measured
+# 2026-12-06: 3.7e-4 to 1.7e-3 for exact replays (kernel numerics: layer 0, before any feed-forward block, is at the
+# same level); 0.06 to 0.30 in every layer past a feed-forward block with the mis-paired mutant (`dp-participate-order`)
+STATE_TOL = 1e-2
 REPLAY_DELAY_S = 0.3
 SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes near the harbour yesterday, "
           "while a young engineer repaired a broken window in the library because the mayor ordered it")
@@ -56,13 +62,20 @@ def events(tmp_path_factory) -> FaultEvents:
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory, events):
+def dumps(tmp_path_factory) -> Path:
+    """Where the test plugin saves the states a replay rebuilt for a `dump-` request."""
+    return tmp_path_factory.mktemp("replayed-states")
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, events, dumps):
     """One server of SERVERS at a time: each test names the servers it runs on (`on_servers`), and pytest runs one
-    server's tests before it starts the next. tr-dpa-moe carries the fault plugin."""
+    server's tests before it starts the next. tr-dpa-moe carries the fault plugin, tr-dpa-dense its state probe."""
     model_fixture, flags = SERVERS[request.param]
     model = request.getfixturevalue(model_fixture)
-    env = {**TWO_RANKS, **faults_env(REPLAY_DELAY_S, events.path, raise_on_rid=True)} \
-        if request.param == "tr-dpa-moe" else TWO_RANKS
+    env = {"tr-dpa-moe": faults_env(REPLAY_DELAY_S, events.path, raise_on_rid=True, dump_states=dumps),
+           "tr-dpa-dense": faults_env(dump_states=dumps)}.get(request.param, {})
+    env = {**TWO_RANKS, **env}
     servers = start_servers(tmp_path_factory, {request.param: Spec(model, flags, env)})
     try:
         srv = next(servers)[request.param]
@@ -144,6 +157,30 @@ def test_off_grid_hits_on_each_group_are_exact(server, cut):
         reference = no_cache(server, fork, cut, **({} if rank is None else {"routed_dp_rank": rank}))
         assert_exact(hit, reference)
     assert leaks_in_every_group(server) == [[]] * len(groups(server))
+
+
+@on_servers("tr-dpa-moe", "tr-dpa-dense")
+def test_rebuilt_states_equal_hfs(server, request, dumps):
+    """The states a replay under attention DP rebuilt, read from the pool (the test plugin's probe) and compared
+    with HF's after the same prefix, on each group: whole-prefix (dense) and from the interval anchor at 128 (MoE).
+    A fault in the replay's feed-forward collectives (the other rank walking its blocks in another order) moved
+    the fork's log-probs by only 0.003-0.009 nats per token on these models, about the exactness tolerance (issue
+    65 class 10); in the states it is 6-30 times STATE_TOL."""
+    model = request.getfixturevalue(HF_OF[server.name])[0]
+    base, cut = random_ids(300, seed=70), 150
+    fork = base[:cut] + random_ids(12, seed=71)
+    expected = recurrent_states(model, base[:cut])
+    for rank in (0, 1):
+        flush_cache(server.base_url)
+        on(server, rank, base, 1)
+        rid = f"dump-{server.name}-{rank}"
+        meta = on(server, rank, fork, 1, rid=rid)["meta_info"]
+        assert meta["cached_tokens"] == cut and meta["tail_replay_tokens"] > 0, meta
+        rebuilt = dumped_states(dumps, rid)
+        assert rebuilt.keys() == expected.keys()
+        errors = {layer: float((rebuilt[layer] - state).abs().max() / state.abs().max())
+                  for layer, state in expected.items()}
+        assert max(errors.values()) < STATE_TOL, errors
 
 
 @on_servers("tr-dpa-moe", "tr-dpa-dense")

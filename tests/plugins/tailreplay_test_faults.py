@@ -18,12 +18,17 @@ With `TAILREPLAY_WATCH_POOL_WRITES` naming a file, every write to the mamba pool
 (`{"outside_forward": method}`), and the first one inside a forward appends `{"inside_forward": method}` (the watch
 is live). A watch, not a fault: the stream-order argument device anchors rest on (docs/design.md, GPU path review
 F1) holds only while no mamba slot is written outside a forward under the overlap scheduler.
+With `TAILREPLAY_DUMP_REPLAYED_STATES` naming a folder, every replay pass saves the recurrent states it rebuilt for
+each request whose rid starts with `dump-`, as `{layer id: [HV, V, K] float32}` in `<folder>/<rid>.pt`: a probe,
+so that a test compares rebuilt states with HF's directly (issue 65 class 10: a fault in the replay's feed-forward
+collectives moved the next tokens' log-probs by only about the exactness tolerance on the tiny models).
 """
 
 import json
 import os
 import re
 import time
+from pathlib import Path
 
 DELAY_ENV = "TAILREPLAY_FAULT_REPLAY_DELAY_S"
 EVENTS_ENV = "TAILREPLAY_FAULT_EVENTS"
@@ -35,6 +40,7 @@ EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 CUT_RID = re.compile(r"cut(\d+)-")
 RAISE_ENV = "TAILREPLAY_FAULT_RAISE"
 WATCH_ENV = "TAILREPLAY_WATCH_POOL_WRITES"
+DUMP_ENV = "TAILREPLAY_DUMP_REPLAYED_STATES"
 FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 POOL_WRITES = ("sglang.srt.mem_cache.memory_pool.MambaPool.clear_slots",
                "sglang.srt.mem_cache.memory_pool.MambaPool.copy_from")
@@ -58,6 +64,8 @@ def register() -> None:
         HookRegistry.register(FORWARD, watch.forward, HookType.AROUND)
         for target in POOL_WRITES:
             HookRegistry.register(target, watch.writer(target.rsplit(".", 1)[1]), HookType.BEFORE)
+    if os.environ.get(DUMP_ENV):
+        HookRegistry.register(TARGET, dump_replayed_states, HookType.AFTER)
     delay = float(os.environ.get(DELAY_ENV, "0"))
     if delay <= 0:
         return
@@ -102,6 +110,21 @@ def raise_after_replay(result, *args, **kwargs):
     rids = [str(req.rid) for req in result.reqs] if result is not None else []
     if any(rid.startswith("raise-") for rid in rids):
         raise ReplayFault(f"injected replay fault for {rids}")
+    return result
+
+
+def dump_replayed_states(result, runner, *args, **kwargs):
+    """Save the states the pass rebuilt for each `dump-` request: its mamba slot holds them until its extend runs."""
+    import torch
+
+    if result is None:
+        return result
+    pool = runner.req_to_token_pool
+    for req, slot in zip(result.reqs, result.mamba_slots.tolist()):
+        if str(req.rid).startswith("dump-"):
+            states = {layer_id: pool.mamba2_layer_cache(layer_id).temporal[slot].float().clone()
+                      for layer_id in pool.mamba_map}
+            torch.save(states, Path(os.environ[DUMP_ENV]) / f"{req.rid}.pt")
     return result
 
 
