@@ -64,13 +64,14 @@ FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only 
 
 def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False,
                raise_on_rid: bool = False, watch_pool_writes: Path | None = None,
-               dump_states: Path | None = None) -> dict:
+               dump_states: Path | None = None, neighbour_share: float | None = None) -> dict:
     """Server environment that loads the fault-injection plugin (`tests/plugins/tailreplay_test_faults.py`): every
     replay pass that ran is held for `replay_delay_s`, and logged to `events` (read with `FaultEvents`) first; with
     `cut_prefixes`, a request with rid `cut<N>-...` extends from at most N tokens, whatever its match planned; with
     `raise_on_rid`, the replay pass that served a request with rid `raise-...` raises once it ran; with
     `watch_pool_writes`, every mamba-pool slot write outside a forward is logged there (`pool_writes`); with
-    `dump_states`, the states a replay rebuilt for a request with rid `dump-...` are saved there (`dumped_states`)."""
+    `dump_states`, the states a replay rebuilt for a request with rid `dump-...` are saved there (`dumped_states`);
+    with `neighbour_share`, a neighbour process holds that share of the available RAM while the server loads."""
     path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
     if cut_prefixes:
@@ -81,6 +82,8 @@ def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_pref
         env["TAILREPLAY_WATCH_POOL_WRITES"] = str(watch_pool_writes)  # its WATCH_ENV
     if dump_states is not None:
         env["TAILREPLAY_DUMP_REPLAYED_STATES"] = str(dump_states)  # its DUMP_ENV
+    if neighbour_share is not None:
+        env["TAILREPLAY_FAULT_NEIGHBOUR_SHARE"] = str(neighbour_share)  # its NEIGHBOUR_ENV
     return {**env, "TAILREPLAY_FAULT_EVENTS": str(events)} if events else env  # its EVENTS_ENV
 
 

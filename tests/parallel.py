@@ -30,8 +30,9 @@ UNITS = {
                                     "tests/test_router.py", "tests/test_server.py", "tests/test_tail_replay.py"}),
     # three to five HiCache servers each: SGLang refuses a host pool that leaves less than 10 GiB of host memory
     # free, which two such modules starting their servers at once came close to
+    # (and test_two_servers, whose neighbours take GBs of RAM for a moment)
     "host-memory": frozenset({"tests/test_hicache.py", "tests/test_hicache_tail_replay.py",
-                              "tests/test_mooncake_store.py"}),
+                              "tests/test_mooncake_store.py", "tests/test_two_servers.py"}),
 }
 _UNIT_OF = {module: unit for unit, modules in UNITS.items() for module in modules}
 SHARED_SERVER_MODULES = UNITS[SHARED_SERVER_GROUP]
@@ -47,7 +48,8 @@ MODULE_SECONDS = {
     "tests/test_cache_properties.py": 37, "tests/cpu_compat/test_cpu_ops.py": 35, "tests/test_flags.py": 32,
     # test_python_api 172, test_pd 141, test_bench 139, test_tail_replay 84, test_router 29, test_server 9
     SHARED_SERVER_GROUP: 574,
-    "host-memory": 215,  # test_hicache 69, test_hicache_tail_replay 59, test_mooncake_store 87 (9fa2167)
+    "host-memory": 240,  # test_hicache 69, test_hicache_tail_replay 59, test_mooncake_store 87 (9fa2167),
+    # test_two_servers about 25 (measured alone, 2026-12-06)
 }
 
 

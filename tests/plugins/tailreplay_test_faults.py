@@ -18,6 +18,10 @@ With `TAILREPLAY_WATCH_POOL_WRITES` naming a file, every write to the mamba pool
 (`{"outside_forward": method}`), and the first one inside a forward appends `{"inside_forward": method}` (the watch
 is live). A watch, not a fault: the stream-order argument device anchors rest on (docs/design.md, GPU path review
 F1) holds only while no mamba slot is written outside a forward under the overlap scheduler.
+With `TAILREPLAY_FAULT_NEIGHBOUR_SHARE` set to a fraction, a neighbour process takes that share of the machine's
+available RAM (written, so resident) between SGLang's first free-memory reading and the KV pool's sizing, and gives
+it back once the pools exist: another server starting beside this one, at the worst moment, every time (issue 65 item
+3; it prints `test neighbour holds <GiB> GiB during the load` to the server's log).
 With `TAILREPLAY_DUMP_REPLAYED_STATES` naming a folder, every replay pass saves the recurrent states it rebuilt for
 each request whose rid starts with `dump-`, as `{layer id: [HV, V, K] float32}` in `<folder>/<rid>.pt`: a probe,
 so that a test compares rebuilt states with HF's directly (issue 65 class 10: a fault in the replay's feed-forward
@@ -27,6 +31,8 @@ collectives moved the next tokens' log-probs by only about the exactness toleran
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +47,10 @@ CUT_RID = re.compile(r"cut(\d+)-")
 RAISE_ENV = "TAILREPLAY_FAULT_RAISE"
 WATCH_ENV = "TAILREPLAY_WATCH_POOL_WRITES"
 DUMP_ENV = "TAILREPLAY_DUMP_REPLAYED_STATES"
+NEIGHBOUR_ENV = "TAILREPLAY_FAULT_NEIGHBOUR_SHARE"
+LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"  # after the first free-memory reading
+# the neighbour: n bytes written (so resident), "ready", then held until its stdin closes (its server gone or done)
+NEIGHBOUR = "import sys\nblock = b'\\x01' * int(sys.argv[1])\nprint('ready', flush=True)\nsys.stdin.read()\n"
 FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 POOL_WRITES = ("sglang.srt.mem_cache.memory_pool.MambaPool.clear_slots",
                "sglang.srt.mem_cache.memory_pool.MambaPool.copy_from")
@@ -64,6 +74,10 @@ def register() -> None:
         HookRegistry.register(FORWARD, watch.forward, HookType.AROUND)
         for target in POOL_WRITES:
             HookRegistry.register(target, watch.writer(target.rsplit(".", 1)[1]), HookType.BEFORE)
+    if os.environ.get(NEIGHBOUR_ENV):
+        neighbour = Neighbour(float(os.environ[NEIGHBOUR_ENV]))
+        HookRegistry.register(LOAD, neighbour.arrive, HookType.BEFORE)
+        HookRegistry.register(LOADED, neighbour.around_pools, HookType.AROUND)
     if os.environ.get(DUMP_ENV):
         HookRegistry.register(TARGET, dump_replayed_states, HookType.AFTER)
     delay = float(os.environ.get(DELAY_ENV, "0"))
@@ -126,6 +140,33 @@ def dump_replayed_states(result, runner, *args, **kwargs):
                       for layer_id in pool.mamba_map}
             torch.save(states, Path(os.environ[DUMP_ENV]) / f"{req.rid}.pt")
     return result
+
+
+class Neighbour:
+    """Another process taking a share of the available RAM while this server loads and sizes its pools
+    (`NEIGHBOUR_ENV`)."""
+
+    def __init__(self, share: float):
+        self.share, self.proc = share, None
+
+    def arrive(self, *args, **kwargs):
+        import psutil
+
+        size = int(psutil.virtual_memory().available * self.share)
+        self.proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(size)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the test neighbour did not start")
+        print(f"test neighbour holds {size / (1 << 30):.2f} GiB during the load", flush=True)
+
+    def around_pools(self, original, *args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if self.proc is not None:
+                self.proc.stdin.close()
+                self.proc.wait()
+                self.proc = None
 
 
 class PoolWriteWatch:
