@@ -108,6 +108,14 @@ class Mamba2:
 
 
 @dataclass(frozen=True)
+class ShortConv:
+    """LFM2's gated short-conv layers and layer pattern (C conv, * attention); `kernel` is conv_L_cache."""
+
+    pattern: str
+    kernel: int = 3
+
+
+@dataclass(frozen=True)
 class Kda:
     """Kimi Linear's mixers: KDA layers (K) and MLA attention layers (*) in `pattern`, as Moonshot's
     `linear_attn_config` lists them (1-indexed `kda_layers` / `full_attn_layers`). The MLA layers are NoPE (Kimi's
@@ -158,6 +166,8 @@ class Preset:
     # Ling-2.5 (bailing_hybrid without a short conv): the `kda` pattern's linear layers are lightning attention
     # (`tailreplay_eval.ling25`).
     lightning: bool = False
+    # LFM2 (model_type lfm2): its short-conv and attention layers; num_hidden_layers is the pattern's length.
+    short_conv: ShortConv | None = None
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
@@ -256,6 +266,11 @@ PRESETS: dict[str, Preset] = {
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
+    ),
+    # LFM2 (lfm2: gated short conv + GQA, each layer with a SwiGLU MLP): groups of 2, 3 and 1 conv layers between the
+    # attention layers, so a zero-init tail of (3 - 1) x 3 = 6 tokens rebuilds every group's state exactly.
+    "tiny-lfm2": Preset(
+        model_type="lfm2", **TINY, short_conv=ShortConv(pattern="CC*CCC*C"),
     ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
@@ -493,6 +508,25 @@ def falcon_h1_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     )
 
 
+def lfm2_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' Lfm2Config: the feed-forward width as given (no auto-adjust), head_dim hidden / heads."""
+    pattern = preset.short_conv.pattern
+    if preset.head_dim * preset.num_attention_heads != preset.hidden_size:
+        raise ValueError("LFM2 derives head_dim as hidden_size / num_attention_heads")
+    return AutoConfig.for_model(
+        "lfm2", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, block_auto_adjust_ff_dim=False, num_hidden_layers=len(pattern),
+        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
+        conv_L_cache=preset.short_conv.kernel, conv_bias=False,
+        full_attn_idxs=[i for i, c in enumerate(pattern) if c == "*"],
+        layer_types=["full_attention" if c == "*" else "conv" for c in pattern],
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def kimi_linear_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     """transformers' KimiLinearConfig from the fields Moonshot's config.json has (`moonshot_config_fields`)."""
     return AutoConfig.for_model("kimi_linear", **moonshot_config_fields(preset, tokenizer))
@@ -551,6 +585,8 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return falcon_h1_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
+    if preset.model_type == "lfm2":
+        return lfm2_config(preset, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
     if preset.vision is not None:
@@ -637,6 +673,17 @@ def _init_kda_gates(model: PreTrainedModel) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def _init_short_conv(model: PreTrainedModel) -> None:
+    """Make the short conv matter. With HF's init (std 0.02 throughout) a layer's gated conv output is about 2 % of
+    the residual stream, so a conv state lost or taken from the wrong tokens would hardly move a log-prob. The gates
+    and input (in_proj, std 0.1) and the taps (std 0.5) put it at several times the stream."""
+    for module in model.modules():
+        if type(module).__name__ == "Lfm2ShortConv":
+            module.in_proj.weight.normal_(0.0, 0.1)
+            module.conv.weight.normal_(0.0, 0.5)
+
+
 def _vary_norm_weights(model: PreTrainedModel) -> None:
     """Norm weights drawn around 1 instead of all ones, so that an implementation applying one norm in another's
     place (OLMo-Hybrid has four kinds per layer pair: pre, post-attention, post-feedforward, q/k, gated) gives
@@ -658,6 +705,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _vary_norm_weights(model)
     if config.model_type == "kimi_linear":
         _init_kda_gates(model)
+    if config.model_type == "lfm2":
+        _init_short_conv(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 

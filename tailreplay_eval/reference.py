@@ -97,6 +97,15 @@ def recurrent_states(model, input_ids: list[int]) -> dict[int, torch.Tensor]:
             if getattr(layer, "recurrent_states", None)}
 
 
+@torch.no_grad()
+def conv_states(model, input_ids: list[int], width: int) -> dict[int, torch.Tensor]:
+    """Each conv layer's state after the prompt, {layer id: [dim, width - 1] float32}: the last width - 1 of the
+    window HF keeps ([1, dim, width]), as SGLang's pool keeps them."""
+    cache = model(input_ids=torch.tensor([input_ids]), use_cache=True).past_key_values
+    return {i: layer.conv_states[0][0, :, -(width - 1):].float() for i, layer in enumerate(cache.layers)
+            if getattr(layer, "conv_states", None)}
+
+
 # --- Ling-3.0: transformers' Kimi Linear with Ling's MLA (tailreplay_eval.ling explains the differences) ---
 
 def _rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

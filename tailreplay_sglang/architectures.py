@@ -11,7 +11,7 @@ served list, with the reason `REFUSED` records where the architecture is one SGL
 that docs/models.md's table says the same.
 """
 
-GDN, MAMBA2, KDA, LIGHTNING = "gdn", "mamba2", "kda", "lightning"
+GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "short_conv"
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -26,6 +26,7 @@ SERVED = {
     "KimiLinearForCausalLM": (KDA, "Kimi Linear"),
     "BailingMoeV3ForCausalLM": (KDA, "Ling-3.0 (Bailing KDA + gated MLA)"),
     "BailingMoeV2_5ForCausalLM": (LIGHTNING, "Ling-2.5 / Ring-2.5 (Bailing lightning attention + MLA)"),
+    "Lfm2ForCausalLM": (SHORT_CONV, "LFM2 (gated short conv + GQA)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -62,7 +63,6 @@ REFUSED = {
     "FalconH1ForCausalLM": (
         "Falcon-H1: attention and Mamba2 side by side in every layer, so every layer would be a group and the store "
         "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
-    "Lfm2ForCausalLM": ("LFM2: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2MoeForCausalLM": ("LFM2-MoE: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2VlForConditionalGeneration": ("LFM2-VL: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),

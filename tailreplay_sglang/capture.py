@@ -10,6 +10,9 @@ the two capture points below (`Family.install_capture`).
 - `at_stage_boundaries`: models whose layers begin with SGLang's stage boundary, `prepare(hidden_states,
   forward_batch)` (fused add + norm, which leaves the value entering the layer in the residual stream), and are
   called through `.forward` (no module hooks fire): that `prepare` is wrapped on each group's first layer.
+- `at_layer_keyword_inputs`: keyword pre-hooks on decoder layers the model calls with keywords only
+  (`layer(layer_id=i, positions=..., hidden_states=..., residual=..., forward_batch=...)`, LFM2) and whose
+  `hidden_states` is the whole residual stream entering the layer.
 """
 
 from functools import partial
@@ -85,3 +88,27 @@ def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
     return [_StageInputCapture(boundary_of(layers[first]), store, None)] + [
         _StageInputCapture(boundary_of(layers[g.first_layer]), store, g.first_layer)
         for g in store.layout.stored_groups]
+
+
+def _capture_layer_keywords(store: HiddenStore, first_layer: int | None, module, args, kwargs):
+    forward_batch = kwargs.get("forward_batch")
+    if forward_batch is None or forward_batch.out_cache_loc is None:
+        return
+    n = forward_batch.out_cache_loc.shape[0]
+    if first_layer is None:
+        if forward_batch.input_ids is not None:
+            store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
+    else:
+        store.write_hidden(first_layer, forward_batch.out_cache_loc, kwargs["hidden_states"][:n])
+
+
+def at_layer_keyword_inputs(layers, store: HiddenStore) -> list:
+    """Keyword pre-hooks on group 0's first decoder layer (the token ids) and on each stored group's (its input);
+    returns the handles."""
+    first = store.layout.groups[0].first_layer
+    handles = [layers[first].register_forward_pre_hook(partial(_capture_layer_keywords, store, None),
+                                                       with_kwargs=True)]
+    for group in store.layout.stored_groups:
+        hook = partial(_capture_layer_keywords, store, group.first_layer)
+        handles.append(layers[group.first_layer].register_forward_pre_hook(hook, with_kwargs=True))
+    return handles

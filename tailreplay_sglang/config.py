@@ -59,6 +59,11 @@ class TailReplayConfig:
     # server runs Tail-Replay as a colocated one does; a decode server never replays and runs only the decode side
     # (`disaggregation.py`).
     disaggregation_mode: str = "null"
+    # Not a flag: set by the launcher from the model (`plugin._for_mixer`, `Family.state_window`). Where a family's
+    # state is a window of its last few inputs (LFM2's short conv), a zero-init replay of this many tokens rebuilds
+    # it exactly: every hit replays min(window, m) tokens from a cleared slot and is exact, and no anchor is kept
+    # (exact_budget 0). 0: the state depends on the whole prefix.
+    state_window: int = 0
 
     def __post_init__(self):
         self._check_types()
@@ -99,6 +104,9 @@ class TailReplayConfig:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise TailReplayConfigError(f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)} "
                                         f"with --enable-tail-replay, got {self.disaggregation_mode!r}")
+        if self.state_window < 0 or (self.state_window and self.anchored):
+            raise TailReplayConfigError(f"state_window {self.state_window} needs exact_budget 0 (set together by the "
+                                        f"launcher)")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
 
@@ -117,7 +125,11 @@ class TailReplayConfig:
 
     def tail_len(self, matched: int) -> int:
         """Tokens to replay for a hit of `matched` tokens: k = clamp(ceil(r*m), min, max), never more than m."""
-        if matched <= 0 or self.mode == "zero":
+        if matched <= 0:
+            return 0
+        if self.state_window:  # exact from this many tokens on, whatever the mode
+            return min(self.state_window, matched)
+        if self.mode == "zero":
             return 0
         if self.mode == "full" or self.ratio >= 1.0:
             return matched
@@ -155,8 +167,9 @@ class TailReplayConfig:
         return max(self.tail_len(matched), self.anchor_interval)
 
     def is_exact_fallback(self, matched: int) -> bool:
-        """Whether the zero-init path is exact for this hit anyway: nothing matched, or the whole prefix replayed."""
-        return matched == 0 or self.tail_len(matched) == matched
+        """Whether the zero-init path is exact for this hit anyway: nothing matched, the whole prefix replayed, or
+        the model's state is a window the tail covers (`state_window`)."""
+        return matched == 0 or self.tail_len(matched) == matched or self.state_window > 0
 
     # ---- hand-off to spawned scheduler processes ----
 

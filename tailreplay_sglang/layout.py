@@ -28,15 +28,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import (GDN, KDA, LIGHTNING, MAMBA2, family_of,  # noqa: F401 (re-exported)
-                                             served_list)
+from tailreplay_sglang.architectures import (GDN, KDA, LIGHTNING, MAMBA2, SHORT_CONV,  # noqa: F401 (re-exported)
+                                             family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 SUPPORTED = served_list()
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
-               "moe": MOE}
+               "moe": MOE, "conv": LINEAR}  # conv: LFM2's short-conv layers
 PARALLEL_HYBRIDS = ("FalconH1ForCausalLM",)  # attention and Mamba2 side by side in every layer
 
 
@@ -58,6 +58,7 @@ class HybridLayout:
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
     mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2, KDA or LIGHTNING
     chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
+    conv_kernel: int | None = None  # LFM2's short conv: its width (conv_L_cache); its state is the last width - 1 rows
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -95,7 +96,8 @@ class HybridLayout:
             _require_no_deepstack(getattr(vision, "deepstack_visual_indexes", None) or [])
         mixer = mixer_of(getattr(config, "architectures", None) or ())
         return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
-                   chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None)
+                   chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None,
+                   conv_kernel=text.conv_L_cache if mixer == SHORT_CONV else None)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -109,7 +111,8 @@ class HybridLayout:
                 _require_no_deepstack(vision.get("deepstack_visual_indexes") or [])
             mixer = mixer_of(raw.get("architectures") or ())
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
-                       mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None)
+                       mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None,
+                       conv_kernel=text.get("conv_L_cache", 3) if mixer == SHORT_CONV else None)
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))

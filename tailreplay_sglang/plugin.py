@@ -98,12 +98,19 @@ def config_from_args(args: argparse.Namespace) -> TailReplayConfig:
 def _for_mixer(cfg: TailReplayConfig, layout: HybridLayout, prefill_backend: str | None = None) -> TailReplayConfig:
     """Interval anchors are taken on the grid of the family's chunked prefill (`Family.anchor_grid`): the interval
     must be a multiple of it, or no anchor would fall on the grid; and their states are read from that prefill's
-    kernel, so a linear-attention prefill backend that returns none is refused."""
-    if not cfg.interval_anchors:
-        return cfg
+    kernel, so a linear-attention prefill backend that returns none is refused. A family whose state is a window of
+    its last inputs (`Family.state_window`) takes none: every hit replays the window from a cleared slot, exact."""
     from tailreplay_sglang.families import family_for
 
     family = family_for(layout)
+    window = family.state_window(layout)
+    if window is not None:
+        logger.info("Tail-Replay: this %s model's state is its last %d inputs: every hit replays them from a cleared "
+                    "slot, exactly, and no anchor is kept (the anchor and budget flags do not apply)", family.name,
+                    window)
+        return dataclasses.replace(cfg, exact_budget=0, host_anchors=0, state_window=window)
+    if not cfg.interval_anchors:
+        return cfg
     grid = family.anchor_grid(layout)
     if cfg.anchor_interval % grid:
         raise TailReplayConfigError(f"--tail-replay-anchor-interval {cfg.anchor_interval}: this model's chunked "

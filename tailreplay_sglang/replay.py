@@ -64,7 +64,7 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return ReplayBatch(torch.cat(spans), pin(cu).to(device, non_blocking=True), mamba_slots, lens, reqs,
-                       needs_survival=not exact, tail_starts=starts)
+                       needs_survival=not exact, tail_starts=starts, cu_seqlens_cpu=cu)
 
 
 def _upload(values: list[int], device) -> torch.Tensor:

@@ -95,8 +95,8 @@ def pool_writes(path: Path) -> dict[str, list[str]]:
 
 
 def dumped_states(folder: Path, rid: str) -> dict:
-    """The recurrent states a replay rebuilt for request `rid` (`faults_env(dump_states=...)`): {layer id: [HV, V, K]
-    float32}, in SGLang's pool layout."""
+    """The states a replay rebuilt for request `rid` (`faults_env(dump_states=...)`), in SGLang's pool layout:
+    {"temporal": {layer id: [HV, V, K]}, "conv": {layer id: [dim, K - 1]}}, float32."""
     return torch.load(folder / f"{rid}.pt")
 
 

@@ -431,3 +431,34 @@ def test_the_host_twin_as_init_hicache_builds_it_on_a_gpu_moves_rows_with_sglang
     torch.cuda.synchronize()
     assert torch.equal(store.hiddens[:, fresh].view(torch.uint8), store.hiddens[:, dev].view(torch.uint8))
     assert torch.equal(store.token_ids[fresh], store.token_ids[dev])
+
+
+def test_the_overlapped_copy_stream_is_drawn_once_and_is_never_the_forward_stream(monkeypatch):
+    """GPU path review K: PyTorch hands `torch.cuda.Stream()` out round-robin from a fixed pool, so a copy stream
+    drawn per replay pass could be the forwards' own stream (the copies serialized behind the replay). With a
+    round-robin pool of three whose next draw is the current stream: the copy stream is another one, and every later
+    pass gets that same stream without a draw."""
+    from tailreplay_sglang.store import transfer
+
+    pool = ["s0", "forward", "s2"]
+    draws = []
+
+    def draw(device):
+        draws.append(pool[len(draws) % len(pool)])
+        return draws[-1]
+
+    monkeypatch.setattr(transfer, "_COPY_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", draw)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "forward")
+    draws.append("s_before")  # the pool's next draw is the forwards' stream
+    cuda = torch.device("cuda", 0)
+    assert transfer.copy_stream(cuda) == "s2" and draws == ["s_before", "forward", "s2"]
+    assert [transfer.copy_stream(cuda) for _ in range(3)] == ["s2"] * 3 and len(draws) == 3
+
+
+def test_the_overlapped_copy_stream_on_cuda_is_one_stream_not_the_current_one():
+    """K natively (scripts/gpu_check.sh): two replay passes' loaders share one copy stream, not the current one."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA streams exist on CUDA only")
+    first, second = HostToDevice(DEVICE, "ovl"), HostToDevice(DEVICE, "ovl")
+    assert first.stream is second.stream and first.stream != torch.cuda.current_stream()

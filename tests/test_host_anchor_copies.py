@@ -98,3 +98,43 @@ def test_a_pinned_host_anchor_is_never_the_one_dropped():
     assert host.save(d, pool, torch.tensor([3], device=DEVICE)) and a in host and c not in host
     host.unpin(a)
     assert host.pins == 0
+
+
+def test_a_hicache_anchors_host_lock_outlives_its_restore_on_cuda(monkeypatch):
+    """GPU path review B, natively on CUDA (scripts/gpu_check.sh): a HiCache anchor's restore is queued on the
+    forwards' stream behind a long kernel. Its host lock stays held at every scheduling step until the event recorded
+    after the copy (`copy_done_event`, real here) has completed; then it is given back, and a storage prefetch that
+    rewrites the host slot at once (as from HiCache's IO thread) no longer reaches the restored state."""
+    import pytest
+
+    from tailreplay_sglang.cache import anchor_copy
+
+    if DEVICE != "cuda":
+        pytest.skip("a restore queued behind a running kernel exists on CUDA only")
+    host_slot = torch.randn(4, 64).pin_memory()
+    want = host_slot.clone()
+    device_slot = torch.zeros(4, 64, device=DEVICE)
+    forward = torch.cuda.Stream()
+    monkeypatch.setattr(anchor_copy, "restore_from_hicache",
+                        lambda cache, node, slot: device_slot.copy_(host_slot, non_blocking=True))
+    unlocked = []
+    lock = SimpleNamespace(to_dec_params=lambda: None)
+    cache = SimpleNamespace(inc_host_lock_ref=lambda node_id: lock,
+                            dec_host_lock_ref=lambda node_id, params: unlocked.append(node_id))
+    host_anchors = SimpleNamespace(pin=lambda node: None, unpin=lambda node: None)
+    pool = SimpleNamespace(translate_mamba_indices=lambda index: index, mamba_pool=None)
+    req = SimpleNamespace(kv=SimpleNamespace(mamba_pool_idx=torch.tensor(0)))
+    staged = anchor_copy.StagedAnchors()
+    staged.hold_hicache(cache, req, SimpleNamespace(id=10))
+    staged.release(cache, host_anchors, admitted=[req])
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(200_000_000)  # the forward before the restore, still running
+        staged.restore_host(host_anchors, pool)
+    staged.release(cache, host_anchors, admitted=())  # the next scheduling step: the copy is still queued
+    assert unlocked == [] and len(staged) == 1
+    forward.synchronize()
+    staged.release(cache, host_anchors, admitted=())
+    assert unlocked == [10] and len(staged) == 0
+    host_slot.fill_(-1.0)  # the prefetch's rewrite, once the lock is given back
+    torch.cuda.synchronize()
+    assert torch.equal(device_slot.cpu(), want)

@@ -191,3 +191,30 @@ def test_ling25_groups_and_what_is_refused(tmp_path):
         read(linear_backend="minimax")
     with pytest.raises(ValueError, match="short_conv_kernel_size.*KDA"):
         read(short_conv_kernel_size=4)
+
+
+def test_lfm2_groups_and_its_state_window(tmp_path):
+    """LFM2 (tiny-lfm2's config, as transformers writes it: layer_types conv / full_attention, conv_L_cache 3): conv
+    groups between the attention layers, and a state window of (3 - 1) x 3 = 6 tokens (the largest group), which
+    the launcher turns into every hit's zero-init replay, exact, with no anchors kept."""
+    import json
+
+    from tailreplay_eval.models import PRESETS, lfm2_config, preset_tokenizer
+    from tailreplay_sglang.config import TailReplayConfig
+    from tailreplay_sglang.families import family_for
+    from tailreplay_sglang.layout import SHORT_CONV
+    from tailreplay_sglang.plugin import _for_mixer
+
+    preset = PRESETS["tiny-lfm2"]
+    config = lfm2_config(preset, preset_tokenizer(preset)).to_dict()
+    config["architectures"] = ["Lfm2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lay = HybridLayout.from_model_path(str(tmp_path))
+    assert lay.mixer == SHORT_CONV and lay.conv_kernel == 3
+    assert [g.recurrent_layers for g in lay.groups] == [(0, 1), (3, 4, 5), (7,)]
+    assert [g.first_layer for g in lay.stored_groups] == [3, 7]
+    assert family_for(lay).state_window(lay) == 6
+    cfg = _for_mixer(TailReplayConfig(enabled=True), lay)
+    assert (cfg.state_window, cfg.exact_budget, cfg.anchored) == (6, 0, False)
+    assert [cfg.tail_len(m) for m in (0, 1, 6, 7, 5000)] == [0, 1, 6, 6, 6]
+    assert all(cfg.is_exact_fallback(m) for m in (0, 1, 6, 7, 5000))

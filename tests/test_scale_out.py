@@ -4,11 +4,14 @@ Two ranks on these two cores need `SGLANG_CPU_OMP_THREADS_BIND` (one core each):
 allows no more ranks than NUMA nodes (one here).
 """
 
+import time
+from pathlib import Path
+
 import psutil
 import pytest
 
 from helpers import (CONTEXT, QUESTION, EXACT_FLAGS, MODELS_DIR, Spec, assert_exact, generate, hicache_spec, no_cache,
-                     random_ids, scored, start_server, start_servers)
+                     random_ids, scored, start_server, start_servers, wait_for_pages)
 from soak import pools, wait_idle
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, prompt_logprobs
@@ -87,11 +90,17 @@ def test_tp2_ranks_each_store_half_of_every_row(tp_servers, tiny_qwen35):
 
 
 @pytest.fixture(scope="module")
-def tp_hicache_server(tiny_qwen35, tmp_path_factory):
-    """TP 2 with HiCache's host tier and Tail-Replay's defaults (anchored replay): each rank's host twin holds its
-    half of the hidden rows."""
-    spec = hicache_spec(tiny_qwen35, None, False, "--enable-tail-replay", "--tp-size", "2")
-    yield from start_servers(tmp_path_factory, {"tp_hicache": Spec(spec.model_path, spec.args, env=TWO_RANKS,
+def l3_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("l3-tp2")
+
+
+@pytest.fixture(scope="module")
+def tp_hicache_server(tiny_qwen35, tmp_path_factory, l3_folder):
+    """TP 2 with HiCache's host tier, the `file` L3 and Tail-Replay's defaults (anchored replay): each rank's host
+    twin holds its half of the hidden rows, and each rank writes its own pages and states to the folder."""
+    spec = hicache_spec(tiny_qwen35, l3_folder, False, "--enable-tail-replay", "--tp-size", "2")
+    yield from start_servers(tmp_path_factory, {"tp_hicache": Spec(spec.model_path, spec.args,
+                                                                   env={**spec.env, **TWO_RANKS},
                                                                    kwargs=spec.kwargs)})
 
 
@@ -115,6 +124,35 @@ def test_tp2_host_tier_hits_over_the_sharded_store_are_exact(tp_hicache_server):
         hits.append((cut, prompt, hit))
     for cut, prompt, hit in hits:  # references last: a flush empties the host tier too
         assert_exact(hit, no_cache(srv, prompt, cut, extra_key=f"no-cache tp2 {cut}"))
+
+
+def test_tp2_ranks_whose_stored_states_differ_plan_one_storage_hit_and_stay_honest(tp_hicache_server, l3_folder):
+    """Review F1 (issue 64) in the real server: TP ranks keep their own L3 objects, so one rank may hold a state its
+    peer lacks. Here rank 1's stored states of a context are removed from the folder, rank 0's kept (its anchor at
+    512 among them). A storage hit at 600 past the exact budget then must not read the state on rank 0 alone: the
+    ranks agree on which states all of them hold before planning (`storage_anchors.agree_on_plan`), so both plan
+    the same hit from the root, it completes (no collective pairs wrongly: a hang fails on the per-test timeout), it
+    reads no state, and it is exact against the server's no-cache prefill."""
+    srv = tp_hicache_server["tp_hicache"]
+    flush_cache(srv.base_url)
+    before = set(l3_folder.iterdir())
+    context = random_ids(CONTEXT, seed=181)
+    generate(srv, context, 1)
+    wait_for_pages(l3_folder, len(before), 2 * 2 * CONTEXT)  # a KV and a hidden page per token, on each rank
+    time.sleep(1)  # the anchors' states follow their nodes' pages by a scheduler step or two
+    states = [f for f in set(l3_folder.iterdir()) - before if ".mamba" in f.name]
+    rank1 = [f for f in states if f.stem.endswith("_1_2")]
+    assert rank1 and len(rank1) < len(states), sorted(f.name for f in states)  # both ranks stored states
+    for f in rank1:
+        f.unlink()
+    flush_cache(srv.base_url)  # the device and host tiers: the context is in L3 alone
+    prompt = context[:600] + random_ids(QUESTION, seed=182)
+    hit = scored(srv, prompt, 600)
+    meta = hit["meta"]
+    assert meta["cached_tokens_details"]["storage"] > 0, meta
+    assert meta["tail_replay_anchor"] == 0, meta  # rank 0's state at 512 was not read: rank 1 lacks it
+    if meta["tail_replay_exact"]:
+        assert_exact(hit, no_cache(srv, prompt, 600, extra_key="no-cache tp2 f1"))
 
 
 def test_tp2_prompt_logprobs_on_a_hit_match_hf(tp):

@@ -240,3 +240,38 @@ def test_an_anchor_evicted_before_its_deferred_backup_still_reaches_storage(monk
     cache.check_hicache_events()
     assert backed_up == [] and written == [7] and state.host_value.tolist() == [2]
     assert cache._state_backups == [] and cache._state_writes == []
+
+
+def test_the_fla_chunk_path_gets_the_planners_host_cu_seqlens(monkeypatch):
+    """H: fla's chunk kernel builds its chunk indices from cu_seqlens, reading them back from the device (one host
+    sync per pass) unless it is given `cu_seqlens_cpu`. The planner keeps its host copy on the batch, and the replay
+    of a tail long enough for the chunk kernel hands it through."""
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    from tailreplay_sglang.cache.request import Match
+    from tailreplay_sglang.config import TailReplayConfig
+    from tailreplay_sglang.families.base import ReplayBatch
+    from tailreplay_sglang.kernels.replay import CHUNK_KERNEL_FROM, gdn_replay
+    from tailreplay_sglang.replay import plan
+
+    pool = SimpleNamespace(req_to_token=torch.arange(40).view(2, 20), get_mamba_indices=lambda rows: rows + 10)
+    batch = plan(SimpleNamespace(req_to_token_pool=pool), [0, 1],
+                 [(0, Match(6, 0, exact=True), "a"), (1, Match(9, 4, exact=True), "b")],
+                 TailReplayConfig(enabled=True, exact_budget=100, anchor_interval=0))
+    assert isinstance(batch, ReplayBatch) and batch.cu_seqlens_cpu.tolist() == [0, 6, 11]
+    assert batch.cu_seqlens_cpu.device.type == "cpu"
+
+    seen = {}
+
+    def chunk(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        seen["cu_seqlens_cpu"] = cu_seqlens_cpu
+        return torch.zeros_like(v), initial_state
+
+    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", chunk)
+    T, HV, K = 11, 2, 4
+    q, k, v = (torch.randn(T, HV, K) for _ in range(3))
+    a, b = torch.randn(T, HV), torch.randn(T, HV)
+    ssm = torch.zeros(12, HV, K, K)
+    gdn_replay(q, k, v, a, b, torch.zeros(HV), torch.zeros(HV), batch.cu_seqlens, torch.tensor([10, 11]), ssm,
+               max_seqlen=CHUNK_KERNEL_FROM + 1, cu_seqlens_cpu=batch.cu_seqlens_cpu)
+    assert seen["cu_seqlens_cpu"] is batch.cu_seqlens_cpu

@@ -73,6 +73,9 @@ CPU_ENGINE = (
          "to torch bodies"),
     Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn", "replace",
          f"{_PKG}.kda:causal_conv1d_fn", "KDA's prefill conv is this Triton kernel on every device"),
+    Hook("sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update", "replace",
+         f"{_PKG}.short_conv:causal_conv1d_update",
+         "LFM2's decode conv is this Triton kernel off CUDA (its prefill conv is the row above)"),
     Hook(f"{_SRT}.layers.rotary_embedding.factory.get_rope_cpu", "around", f"{_PKG}.rope:plain_rope_without_scaling",
          "SGLang's CPU rotary factory builds DeepSeek-YaRN only and asserts a rope_scaling: plain RoPE (Ling-2.5's "
          "lightning layers) takes the generic embedding"),

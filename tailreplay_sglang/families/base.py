@@ -25,6 +25,8 @@ class ReplayBatch:
     needs_survival: bool = True
     token_tail: torch.Tensor | None = None  # [sum k] which tail each replayed token belongs to (built once a pass)
     tail_starts: list[int] | None = None  # each tail's first position in its sequence (families whose mixer rotates)
+    # [n + 1] cu_seqlens on the host, for kernels that would otherwise read them back (fla's chunk kernel: review H)
+    cu_seqlens_cpu: torch.Tensor | None = None
 
     def tail_of_each_token(self, device) -> torch.Tensor:
         """[sum k] the tail index of every replayed token, on `device`: built on the host from `tail_lens` once per
@@ -83,6 +85,12 @@ class Family:
     # (`supported.check_anchor_graphs`), and the flag that keeps the extend eager
     anchor_capturing_prefill_graphs: tuple[str, ...] = ("full",)
     eager_prefill_flag: str = "--cuda-graph-backend-prefill breakable"
+
+    def state_window(self, layout) -> int | None:
+        """Tokens from which a zero-init replay rebuilds every group's state exactly, where the state is a window
+        of the last few inputs (LFM2's short conv); None where the state depends on the whole prefix. With a window,
+        every hit replays that many tokens from a cleared slot, exact, and no anchor is kept (`plugin._for_mixer`)."""
+        return None
 
     def anchor_grid(self, layout) -> int:
         """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""

@@ -68,7 +68,8 @@ def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: 
     batch.observe_decay(g[0])
     core = replay_gdn_layer(mixed, a, b, la.attn.conv_weights, la.attn.bias, la.A_log, la.dt_bias, batch.cu_seqlens,
                             batch.mamba_slots, cache.conv[0], cache.temporal, state_only=state_only,
-                            max_seqlen=max(batch.tail_lens), beta_scale=getattr(la, "beta_scale", 1.0))
+                            max_seqlen=max(batch.tail_lens), beta_scale=getattr(la, "beta_scale", 1.0),
+                            cu_seqlens_cpu=batch.cu_seqlens_cpu)
     if state_only:
         return None
     x = x + output(core)

@@ -30,7 +30,7 @@ def split_qkv(mixed_qkv, HV: int, V: int, K: int):
 
 def replay_gdn_layer(
     mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states,
-    state_only: bool = False, max_seqlen: int | None = None, beta_scale: float = 1.0,
+    state_only: bool = False, max_seqlen: int | None = None, beta_scale: float = 1.0, cu_seqlens_cpu=None,
 ):
     """Replay one GDN layer over a packed batch of tails, each from its slot's states; the new states replace them.
 
@@ -44,11 +44,13 @@ def replay_gdn_layer(
     state (last width - 1 inputs of context + tail) and final recurrent state; no other slot is read or written.
     max_seqlen: longest tail, known to the planner; saves the Triton path a device sync (read when None).
     beta_scale: beta = beta_scale * sigmoid(b); 2 for OLMo-Hybrid's `linear_allow_neg_eigval`, 1 otherwise.
+    cu_seqlens_cpu: cu_seqlens on the host, known to the planner; saves fla's chunk kernel a device sync.
     Returns o: [T, HV, V] in mixed_qkv's dtype (before the gated norm), or None when `state_only`.
     """
     args = (mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states, ssm_states)
     if mixed_qkv.is_cuda:
-        return replay_gdn_layer_triton(*args, state_only=state_only, max_seqlen=max_seqlen, beta_scale=beta_scale)
+        return replay_gdn_layer_triton(*args, state_only=state_only, max_seqlen=max_seqlen, beta_scale=beta_scale,
+                                       cu_seqlens_cpu=cu_seqlens_cpu)
     return replay_gdn_layer_torch(*args, state_only=state_only, beta_scale=beta_scale)
 
 
@@ -61,7 +63,7 @@ CHUNK_KERNEL_FROM = 4096
 
 
 def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, cu_seqlens, slots, conv_states,
-                            ssm_states, state_only=False, max_seqlen=None, beta_scale=1.0):
+                            ssm_states, state_only=False, max_seqlen=None, beta_scale=1.0, cu_seqlens_cpu=None):
     """`replay_gdn_layer` on the Triton kernels (on CPU only under TRITON_INTERPRET=1, as the tests run it); each
     kernel reads the slots' states itself. Long tails (`CHUNK_KERNEL_FROM`) take fla's chunk kernel."""
     if max_seqlen is None:
@@ -69,29 +71,32 @@ def replay_gdn_layer_triton(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_b
     y = replay_causal_conv1d(mixed_qkv, conv_weight, conv_bias, cu_seqlens, slots, conv_states, max_seqlen)
     q, k, v = split_qkv(y, *ssm_states.shape[1:])
     return gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, max_seqlen,
-                      state_only=state_only, beta_scale=beta_scale)
+                      state_only=state_only, beta_scale=beta_scale, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def gdn_replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, max_seqlen: int, state_only=False,
-               beta_scale=1.0):
+               beta_scale=1.0, cu_seqlens_cpu=None):
     """A replay's delta rule on the GPU (`gdn_replay_fwd`'s arguments, and the longest tail): this package's kernel,
     or fla's chunk kernel when the longest tail is longer than `CHUNK_KERNEL_FROM`."""
-    replay = gdn_replay_chunk_kernel if max_seqlen > CHUNK_KERNEL_FROM else gdn_replay_fwd
-    return replay(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only,
-                  beta_scale=beta_scale)
+    if max_seqlen > CHUNK_KERNEL_FROM:
+        return gdn_replay_chunk_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states,
+                                       state_only=state_only, beta_scale=beta_scale, cu_seqlens_cpu=cu_seqlens_cpu)
+    return gdn_replay_fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=state_only,
+                          beta_scale=beta_scale)
 
 
 def gdn_replay_chunk_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slots, ssm_states, state_only=False,
-                            beta_scale=1.0):
+                            beta_scale=1.0, cu_seqlens_cpu=None):
     """`gdn_replay_fwd` (same arguments and result) on fla's chunk kernel (fla-core, pinned): the gates computed
     first in float32, each tail's state gathered from its slot (SGLang's value-major layout, `state_v_first`) and
-    its final state written back there."""
+    its final state written back there. With `cu_seqlens_cpu` (the planner's host copy) fla builds its chunk
+    indices on the host; without it, it reads cu_seqlens back from the device once (GPU path review H)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     g, beta = cpu_gdn.gdn_gating(A_log, a, b, dt_bias, beta_scale=beta_scale)
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g, beta, initial_state=ssm_states[slots].float(),
                                       output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
-                                      cu_seqlens=cu_seqlens.long())
+                                      cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=cu_seqlens_cpu)
     ssm_states[slots] = final.to(ssm_states.dtype)
     return None if state_only else o[0]
 

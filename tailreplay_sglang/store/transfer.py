@@ -39,6 +39,28 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() and not t.is_cuda else t
 
 
+# The overlapped H2D copy stream of each device, drawn once per process (`copy_stream`)
+_COPY_STREAMS: dict = {}
+# PyTorch's pool holds 32 streams per priority and device; a redraw past that many cannot find another
+_POOL_STREAMS = 32
+
+
+def copy_stream(device: torch.device):
+    """The overlapped H2D copies' stream on `device`, the same for every replay pass and never the current (the
+    forwards') stream. PyTorch hands `torch.cuda.Stream()` out round-robin from a fixed pool, so a stream drawn per
+    pass could alias the forwards' stream and serialize the copies behind the replay (GPU path review K). SGLang
+    redraws its own schedule stream the same way (`scheduler.py`)."""
+    current = torch.cuda.current_stream(device)
+    stream = _COPY_STREAMS.get(device)
+    draws = 0
+    while stream is None or stream == current:
+        if draws == _POOL_STREAMS:
+            raise RuntimeError(f"no CUDA stream on {device} other than the current one")
+        stream, draws = torch.cuda.Stream(device), draws + 1
+    _COPY_STREAMS[device] = stream
+    return stream
+
+
 class HostToDevice:
     """Copies host tensors to `device`, serialized ("ser") or overlapped with compute ("ovl"); see the module doc."""
 
@@ -50,7 +72,7 @@ class HostToDevice:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mode = mode
         overlapped = mode == "ovl" and self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if overlapped else None
+        self.stream = copy_stream(self.device) if overlapped else None
         self.events: dict = {}
 
     def copy(self, key, host: torch.Tensor) -> torch.Tensor:

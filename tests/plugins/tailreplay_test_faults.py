@@ -23,7 +23,8 @@ available RAM (written, so resident) between SGLang's first free-memory reading 
 it back once the pools exist: another server starting beside this one, at the worst moment, every time (issue 65 item
 3; it prints `test neighbour holds <GiB> GiB during the load` to the server's log).
 With `TAILREPLAY_DUMP_REPLAYED_STATES` naming a folder, every replay pass saves the recurrent states it rebuilt for
-each request whose rid starts with `dump-`, as `{layer id: [HV, V, K] float32}` in `<folder>/<rid>.pt`: a probe,
+each request whose rid starts with `dump-`, as `{"temporal": {layer id: [HV, V, K]}, "conv": {layer id: [dim, K - 1]}}`
+(float32; a pool without recurrent states, LFM2's, has no "temporal" entries) in `<folder>/<rid>.pt`: a probe,
 so that a test compares rebuilt states with HF's directly (issue 65 class 10: a fault in the replay's feed-forward
 collectives moved the next tokens' log-probs by only about the exactness tolerance on the tiny models).
 """
@@ -136,8 +137,10 @@ def dump_replayed_states(result, runner, *args, **kwargs):
     pool = runner.req_to_token_pool
     for req, slot in zip(result.reqs, result.mamba_slots.tolist()):
         if str(req.rid).startswith("dump-"):
-            states = {layer_id: pool.mamba2_layer_cache(layer_id).temporal[slot].float().clone()
-                      for layer_id in pool.mamba_map}
+            caches = {layer_id: pool.mamba2_layer_cache(layer_id) for layer_id in pool.mamba_map}
+            states = {"conv": {i: c.conv[0][slot].float().clone() for i, c in caches.items()},
+                      "temporal": {i: c.temporal[slot].float().clone() for i, c in caches.items()
+                                   if getattr(c, "temporal", None) is not None and c.temporal.numel()}}
             torch.save(states, Path(os.environ[DUMP_ENV]) / f"{req.rid}.pt")
     return result
 

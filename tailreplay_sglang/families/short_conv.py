@@ -1,0 +1,75 @@
+"""LFM2's gated short convolution (`Lfm2ForCausalLM`): a conv-only state, rebuilt exactly from a few tokens.
+
+An LFM2 conv layer is norm -> in_proj -> (B, C, x) -> conv over B * x -> C * conv -> out_proj, then a SwiGLU MLP;
+its state is the last K - 1 rows of B * x (K = `conv_L_cache`), nothing else. A group of n conv layers (the
+attention layers between groups keep their KV) therefore depends on its last (K - 1) * n inputs only: replayed from
+a zero state over that many tokens, layer 1's outputs are exact from its (K - 1)-th token on, which is all layer 2's
+state needs, and so on. So every hit replays `state_window` tokens from a cleared slot and is exact at any token
+boundary: no anchors, no stored states, no survival bound (`config.state_window`, set by the launcher).
+
+The mixer is replayed through the model's own projections, norms and conv weights, and through the conv kernel the
+model itself calls (`sglang.srt.models.lfm2.causal_conv1d_fn`: Triton on a GPU, the CPU port's torch conv here),
+with no initial state, which writes each tail's conv state into its slot.
+"""
+
+import pkgutil
+
+import torch
+
+from tailreplay_sglang import capture
+from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements
+
+_CONV_KERNEL = "sglang.srt.models.lfm2:causal_conv1d_fn"
+_LAYER = ("operator_norm", "ffn_norm", "feed_forward", "conv.in_proj", "conv.out_proj", "conv.conv_weight")
+
+
+def state_window(layout) -> int:
+    """Tokens a zero-init replay needs for every group's state to be exact: (K - 1) x the most conv layers in a
+    group."""
+    return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)
+
+
+class ShortConvFamily(Family):
+    name = "short_conv"
+
+    def state_window(self, layout) -> int | None:
+        return state_window(layout)
+
+    def install_capture(self, layers, store) -> list:
+        return capture.at_layer_keyword_inputs(layers, store)
+
+    def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
+        """The group's conv layers in order; the last one computes only its state."""
+        conv_fn = pkgutil.resolve_name(_CONV_KERNEL)
+        no_initial_state = torch.zeros(len(batch.tail_lens), dtype=torch.bool, device=x.device)
+        cu = batch.cu_seqlens.to(torch.int32)
+        for layer_id in group.recurrent_layers:
+            last = layer_id == group.recurrent_layers[-1]
+            conv_state = pool.mamba2_layer_cache(layer_id).conv[0]
+            x = replay_layer(model.layers[layer_id], conv_fn, conv_state, x, batch, cu, no_initial_state, last)
+
+    def required(self, model, layout) -> list:
+        return layer_requirements(model, [i for g in layout.groups for i in g.recurrent_layers], _LAYER)
+
+    def required_kernels(self) -> tuple[str, ...]:
+        return (_CONV_KERNEL,)
+
+
+def replay_layer(layer, conv_fn, conv_state, x: torch.Tensor, batch: ReplayBatch, cu, no_initial_state,
+                 state_only: bool):
+    """One LFM2 conv layer over the packed tails from a zero state; its conv state lands in the requests' slots.
+    Returns the next residual-stream value, or None when only the state was needed."""
+    conv = layer.conv
+    proj, _ = conv.in_proj(layer.operator_norm(x))
+    gate_b, gate_c, value = proj.chunk(3, dim=-1)
+    out = conv_fn((gate_b * value).transpose(0, 1).contiguous(), conv.conv_weight, conv.conv_bias,
+                  query_start_loc=cu, cache_indices=batch.mamba_slots, has_initial_state=no_initial_state,
+                  conv_states=conv_state, activation=None).transpose(0, 1)
+    if state_only:
+        return None
+    mixed, _ = conv.out_proj(gate_c * out)  # RowParallelLinear: reduced over TP inside
+    x = x + mixed
+    return x + batch.feed_forward(layer.feed_forward, layer.ffn_norm(x))
+
+
+FAMILY = ShortConvFamily()

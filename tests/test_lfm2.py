@@ -1,0 +1,138 @@
+"""LFM2 (`Lfm2ForCausalLM`: gated short-conv layers and GQA, each with a SwiGLU MLP) on the real SGLang server on CPU,
+against HF transformers, and Tail-Replay's hits against the server's own no-cache prefill.
+
+`tiny-lfm2` has the pattern CC*CCC*C: groups of 2, 3 and 1 conv layers of width 3 (`conv_L_cache`), whose taps and
+gates (`models._init_short_conv`) make the conv several times the residual stream, so a state taken from the wrong
+tokens shows. A conv layer's state is its last 2 gated inputs, so every group's state is rebuilt exactly by a replay
+of (3 - 1) x 3 = 6 tokens from a cleared slot (`families.short_conv`): each hit replays min(6, m) tokens and is
+exact at any token boundary, with no anchor kept (the launcher sets `state_window` 6 and exact_budget 0).
+
+SGLang keeps conv states in bfloat16 by default (`SGLANG_MAMBA_CONV_DTYPE`). On this model, whose conv outweighs the
+residual stream, that rounding moved decode log-probs by up to 2.5e-3 nats against HF's float32 (prompt log-probs:
+1e-6), enough to flip a 0.002-nat near-tie. The server checked against HF keeps them in float32; the one on SGLang's
+GPU-default scheduling keeps SGLang's default and is checked against its own no-cache runs.
+"""
+
+import concurrent.futures
+
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import (MODELS_DIR, Spec, assert_exact, dumped_states, faults_env, generate, no_cache, random_ids, scored,
+                     start_servers)
+from soak import pool_leaks, wait_idle
+from tailreplay_eval.models import build_model
+from tailreplay_eval.reference import conv_states, greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_eval.server import flush_cache
+
+pytestmark = pytest.mark.server
+
+NEW = 12
+WINDOW = 6  # (conv_L_cache - 1) x the most conv layers in a group
+LOGPROB_TOL = 1e-3  # as test_server.py's Qwen3.5 bound
+TR = ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32")
+FLOAT32_CONV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+# Relative to the state's largest entry. Measured 2026-12-06: at most 1e-6 for the 6-token window; with a 5-token one
+# the 3-layer group's last state was off by 0.03-0.15 at every cut from 6 on, every other layer still 1e-6
+STATE_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_lfm2():
+    return build_model("tiny-lfm2", MODELS_DIR / "tiny-lfm2")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_lfm2):
+    return load_hf_model(tiny_lfm2), AutoTokenizer.from_pretrained(tiny_lfm2)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """Where the test plugin saves the conv states a replay rebuilt for a `dump-` request."""
+    return tmp_path_factory.mktemp("replayed-states")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_lfm2, tmp_path_factory, dumps):
+    """Tail-Replay with the CPU flags and float32 conv states, and with SGLang's GPU-default scheduling (its mamba
+    radix-cache strategy left to SGLang, the overlap scheduler on) and its default bfloat16 conv states."""
+    yield from start_servers(tmp_path_factory, {
+        "tr": Spec(tiny_lfm2, TR, {**FLOAT32_CONV, **faults_env(dump_states=dumps)}),
+        "production": Spec(tiny_lfm2, TR, kwargs={"gpu_scheduling": True}),
+    })
+
+
+def test_cold_prompts_equal_hf(servers, hf):
+    """SGLang's own forward (cache flushed; the plugin only reads it): HF's greedy tokens and prompt log-probs."""
+    model, _ = hf
+    server = servers["tr"]
+    for n, seed in ((5, 1), (70, 2), (300, 3)):
+        flush_cache(server.base_url)
+        ids = random_ids(n, seed)
+        out = generate(server, ids, NEW, return_logprob=True, logprob_start_len=0)
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert out["output_ids"] == greedy_generate(model, ids, NEW)
+        served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+        assert max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids))) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("cut", [1, 4, WINDOW, WINDOW + 1, 150, 301])
+def test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache(servers, hf, dumps, cut):
+    """A fork at `cut` tokens of a published 400-token prompt (a token no request or chunk ended at): it reuses every
+    matched token, replays min(6, cut) of them from a cleared slot, is labelled exact, and equals the server's
+    no-cache prefill and HF's greedy tokens. The conv states it rebuilt (read from the pool by the test plugin's
+    probe) equal HF's after the same prefix in every conv layer: a window one token short leaves one entry of the
+    largest group's last state wrong, which moves only the next token or two and passed the log-prob bound."""
+    model, _ = hf
+    server = servers["tr"]
+    base = random_ids(400, seed=cut)
+    fork = base[:cut] + random_ids(10, seed=cut + 1000)
+    flush_cache(server.base_url)
+    generate(server, base, 1)
+    hit = scored(server, fork, cut, max_new=NEW, rid=f"dump-lfm2-{cut}")
+    meta = hit["meta"]
+    assert meta["cached_tokens"] == cut and meta["tail_replay_exact"] is True, meta
+    assert meta["tail_replay_tokens"] == min(WINDOW, cut) and meta["tail_replay_anchor"] is None, meta
+    rebuilt, expected = dumped_states(dumps, f"dump-lfm2-{cut}")["conv"], conv_states(model, base[:cut], 3)
+    assert rebuilt.keys() == expected.keys() == {0, 1, 3, 4, 5, 7}
+    errors = {layer: float((rebuilt[layer] - state).abs().max() / state.abs().max()) for layer, state in
+              expected.items()}
+    assert max(errors.values()) < STATE_TOL, errors
+    assert_exact(hit, no_cache(server, fork, cut, max_new=NEW))
+    assert hit["output_ids"] == greedy_generate(model, fork, NEW)
+
+
+@pytest.mark.parametrize("name", ["tr", "production"])
+def test_multi_turn_and_eight_concurrent_hits(servers, hf, name):
+    """A second chat turn hits the first turn's prompt and answer (captured at decode); eight requests sharing a
+    system prompt hit it at once, each replaying its window in one pass. Each equals HF's greedy tokens (float32
+    conv states) or the server's own no-cache run (SGLang's bfloat16 ones)."""
+    model, tok = hf
+    server = servers[name]
+
+    def reference(ids):
+        if name == "tr":
+            return greedy_generate(model, ids, NEW)
+        flush_cache(server.base_url)
+        return generate(server, ids, NEW)["output_ids"]
+
+    flush_cache(server.base_url)
+    turn1 = tok("the old sailor carried the wooden boxes near the harbour").input_ids
+    turn2 = turn1 + generate(server, turn1, NEW)["output_ids"] + tok(" and a follow-up question?").input_ids
+    out = generate(server, turn2, NEW)
+    assert out["meta_info"]["cached_tokens"] >= len(turn2) - len(tok(" and a follow-up question?").input_ids) - 1
+    assert out["meta_info"]["tail_replay_exact"] is True
+    hits = [(turn2, out)]
+    system = tok("you are a careful assistant. the young engineer repaired a broken window in the library").input_ids
+    generate(server, system, 1)
+    prompts = [system + tok(" question" * (i + 1)).input_ids for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: generate(server, p, NEW), prompts))
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] >= len(system) - 1 and meta["tail_replay_exact"] is True, meta
+    hits += list(zip(prompts, outs))
+    assert pool_leaks(wait_idle(server.base_url)) == []
+    for ids, out in hits:  # references last: the no-cache runs flush the cache
+        assert out["output_ids"] == reference(ids)
