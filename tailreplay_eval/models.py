@@ -272,6 +272,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-lfm2": Preset(
         model_type="lfm2", **TINY, short_conv=ShortConv(pattern="CC*CCC*C"),
     ),
+    # LFM2-MoE (lfm2_moe): tiny-lfm2's pattern, layers 0-1 dense, the rest Liquid's MoE.
+    "tiny-lfm2-moe": Preset(
+        model_type="lfm2_moe", **TINY, short_conv=ShortConv(pattern="CC*CCC*C"),
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0),
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -509,13 +514,20 @@ def falcon_h1_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
 
 
 def lfm2_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
-    """transformers' Lfm2Config: the feed-forward width as given (no auto-adjust), head_dim hidden / heads."""
+    """transformers' Lfm2Config (the feed-forward width as given, no auto-adjust) or Lfm2MoeConfig (its first two
+    layers dense, then Liquid's MoE: sigmoid router with an expert bias, routed scale 2.5); head_dim hidden / heads."""
     pattern = preset.short_conv.pattern
     if preset.head_dim * preset.num_attention_heads != preset.hidden_size:
         raise ValueError("LFM2 derives head_dim as hidden_size / num_attention_heads")
+    if preset.moe is None:
+        kind = dict(block_auto_adjust_ff_dim=False)
+    else:
+        kind = dict(num_experts=preset.moe.num_experts, num_experts_per_tok=preset.moe.num_experts_per_tok,
+                    moe_intermediate_size=preset.moe.moe_intermediate_size, num_dense_layers=2, use_expert_bias=True,
+                    routed_scaling_factor=2.5, norm_topk_prob=True)
     return AutoConfig.for_model(
-        "lfm2", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size, block_auto_adjust_ff_dim=False, num_hidden_layers=len(pattern),
+        preset.model_type, vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, num_hidden_layers=len(pattern), **kind,
         num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
         conv_L_cache=preset.short_conv.kernel, conv_bias=False,
         full_attn_idxs=[i for i, c in enumerate(pattern) if c == "*"],
@@ -585,7 +597,7 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return falcon_h1_config(preset, tokenizer)
     if preset.model_type == "olmo_hybrid":
         return olmo_hybrid_config(preset, tokenizer)
-    if preset.model_type == "lfm2":
+    if preset.model_type in ("lfm2", "lfm2_moe"):
         return lfm2_config(preset, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
@@ -673,17 +685,19 @@ def _init_kda_gates(model: PreTrainedModel) -> None:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _init_short_conv(model: PreTrainedModel) -> None:
     """Make the short conv matter. With HF's init (std 0.02 throughout) a layer's gated conv output is about 2 % of
     the residual stream, so a conv state lost or taken from the wrong tokens would hardly move a log-prob. The gates
     and input (in_proj, std 0.1) and the taps (std 0.5) put it at several times the stream."""
     for module in model.modules():
-        if type(module).__name__ == "Lfm2ShortConv":
+        if type(module).__name__ in ("Lfm2ShortConv", "Lfm2MoeShortConv"):
             module.in_proj.weight.normal_(0.0, 0.1)
             module.conv.weight.normal_(0.0, 0.5)
+        if type(module).__name__ == "Lfm2MoeSparseMoeBlock" and module.expert_bias is not None:
+            module.expert_bias.normal_(0.0, 0.5)  # the bias chooses experts: make it choose differently
 
 
+@torch.no_grad()
 def _vary_norm_weights(model: PreTrainedModel) -> None:
     """Norm weights drawn around 1 instead of all ones, so that an implementation applying one norm in another's
     place (OLMo-Hybrid has four kinds per layer pair: pre, post-attention, post-feedforward, q/k, gated) gives
@@ -705,7 +719,7 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _vary_norm_weights(model)
     if config.model_type == "kimi_linear":
         _init_kda_gates(model)
-    if config.model_type == "lfm2":
+    if config.model_type in ("lfm2", "lfm2_moe"):
         _init_short_conv(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 

@@ -27,6 +27,7 @@ SERVED = {
     "BailingMoeV3ForCausalLM": (KDA, "Ling-3.0 (Bailing KDA + gated MLA)"),
     "BailingMoeV2_5ForCausalLM": (LIGHTNING, "Ling-2.5 / Ring-2.5 (Bailing lightning attention + MLA)"),
     "Lfm2ForCausalLM": (SHORT_CONV, "LFM2 (gated short conv + GQA)"),
+    "Lfm2MoeForCausalLM": (SHORT_CONV, "LFM2-MoE (gated short conv + GQA, MoE)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -63,7 +64,6 @@ REFUSED = {
     "FalconH1ForCausalLM": (
         "Falcon-H1: attention and Mamba2 side by side in every layer, so every layer would be a group and the store "
         "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
-    "Lfm2MoeForCausalLM": ("LFM2-MoE: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2VlForConditionalGeneration": ("LFM2-VL: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),

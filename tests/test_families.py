@@ -48,3 +48,37 @@ def test_a_model_internal_the_replay_needs_missing_stops_the_server_at_start_up(
     log = (tmp_path / "server.log").read_text(errors="replace")
     assert "Tail-Replay (gdn): this SGLang's model lacks what the replay uses" in log
     assert "linear_attn.fix_query_key_value_ordering" in log
+
+
+def test_lfm2_capture_reads_the_keywords_its_decoder_layers_are_called_with():
+    """LFM2 calls each decoder layer with keywords only (`layer(layer_id=i, positions=..., hidden_states=...,
+    residual=..., forward_batch=...)`), so positional pre-hooks see nothing. Group 0's first layer writes the token
+    ids, each stored group's first layer its `hidden_states` (the stream entering it), not `residual` (there the
+    previous layer's input); an idle forward (no KV locations) writes nothing."""
+    import torch
+
+    from tailreplay_sglang import capture
+    from tailreplay_sglang.layout import SHORT_CONV
+
+    class Layer(torch.nn.Module):
+        def forward(self, layer_id, positions, hidden_states, residual, forward_batch):
+            return hidden_states + 1, hidden_states
+
+    layout = HybridLayout(LAYOUT, 2, mixer=SHORT_CONV, conv_kernel=3)
+    writes = []
+    store = SimpleNamespace(layout=layout,
+                            write_tokens=lambda loc, ids: writes.append(("tokens", loc.tolist(), ids.tolist())),
+                            write_hidden=lambda layer, loc, h: writes.append((layer, loc.tolist(), h.tolist())))
+    layers = [Layer() for _ in LAYOUT]
+    handles = capture.at_layer_keyword_inputs(layers, store)
+    batch = SimpleNamespace(out_cache_loc=torch.tensor([5, 6]), input_ids=torch.tensor([11, 12]))
+    h, residual = torch.zeros(2, 2), None
+    for i, layer in enumerate(layers):
+        h, residual = layer(layer_id=i, positions=None, hidden_states=h, residual=residual, forward_batch=batch)
+    assert writes == [("tokens", [5, 6], [11, 12]), (3, [5, 6], [[3.0, 3.0], [3.0, 3.0]])]
+    writes.clear()
+    idle = SimpleNamespace(out_cache_loc=None, input_ids=None)
+    layers[3](layer_id=3, positions=None, hidden_states=h, residual=residual, forward_batch=idle)
+    assert writes == []
+    for handle in handles:
+        handle.remove()

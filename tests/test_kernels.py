@@ -309,12 +309,13 @@ def test_triton_anchored_replay_equals_whole_sequence(prefix_lens, tail_lens, H,
 
 
 def _fla_chunk_contract(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                        state_v_first, cu_seqlens):
+                        state_v_first, cu_seqlens, cu_seqlens_cpu=None):
     """fla-core's `chunk_gated_delta_rule` as its documentation states it, for the arguments the replay passes, on
     the torch op (checked against the float64 recurrence above): fla's kernels neither run on a CPU nor under the
     interpreter (they autotune on a device and loop over tensors the interpreter gives as ints)."""
     assert output_final_state and use_qk_l2norm_in_kernel and state_v_first and cu_seqlens.dtype == torch.int64
     assert initial_state.dtype == torch.float32 and g.dtype == beta.dtype == torch.float32
+    assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
     start = initial_state.clone()
     o, final = ops_gdn.chunk_gated_delta_rule(q, k, v, g, beta, start, cu_seqlens, use_qk_l2norm_in_kernel=True)
     return o, final

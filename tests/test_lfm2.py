@@ -1,11 +1,14 @@
-"""LFM2 (`Lfm2ForCausalLM`: gated short-conv layers and GQA, each with a SwiGLU MLP) on the real SGLang server on CPU,
-against HF transformers, and Tail-Replay's hits against the server's own no-cache prefill.
+"""LFM2 (`Lfm2ForCausalLM`: gated short-conv layers and GQA, each with a SwiGLU MLP) and LFM2-MoE
+(`Lfm2MoeForCausalLM`: the same layers, a MoE after the first two: sigmoid router with an expert bias, routed scale
+2.5) on the real SGLang server on CPU, against HF transformers, and Tail-Replay's hits against the server's own
+no-cache prefill. Every test runs once per model (a module-scoped parametrized fixture).
 
-`tiny-lfm2` has the pattern CC*CCC*C: groups of 2, 3 and 1 conv layers of width 3 (`conv_L_cache`), whose taps and
-gates (`models._init_short_conv`) make the conv several times the residual stream, so a state taken from the wrong
-tokens shows. A conv layer's state is its last 2 gated inputs, so every group's state is rebuilt exactly by a replay
-of (3 - 1) x 3 = 6 tokens from a cleared slot (`families.short_conv`): each hit replays min(6, m) tokens and is
-exact at any token boundary, with no anchor kept (the launcher sets `state_window` 6 and exact_budget 0).
+`tiny-lfm2` and `tiny-lfm2-moe` have the pattern CC*CCC*C: groups of 2, 3 and 1 conv layers of width 3
+(`conv_L_cache`), whose taps and gates (`models._init_short_conv`) make the conv several times the residual stream, so
+a state taken from the wrong tokens shows. A conv layer's state is its last 2 gated inputs, so every group's state is
+rebuilt exactly by a replay of (3 - 1) x 3 = 6 tokens from a cleared slot (`families.short_conv`): each hit replays
+min(6, m) tokens and is exact at any token boundary, with no anchor kept (the launcher sets `state_window` 6 and
+exact_budget 0).
 
 SGLang keeps conv states in bfloat16 by default (`SGLANG_MAMBA_CONV_DTYPE`). On this model, whose conv outweighs the
 residual stream, that rounding moved decode log-probs by up to 2.5e-3 nats against HF's float32 (prompt log-probs:
@@ -14,6 +17,7 @@ GPU-default scheduling keeps SGLang's default and is checked against its own no-
 """
 
 import concurrent.futures
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -37,14 +41,14 @@ FLOAT32_CONV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 STATE_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny_lfm2():
-    return build_model("tiny-lfm2", MODELS_DIR / "tiny-lfm2")
+@pytest.fixture(scope="module", params=["tiny-lfm2", "tiny-lfm2-moe"])
+def model_path(request):
+    return build_model(request.param, MODELS_DIR / request.param)
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_lfm2):
-    return load_hf_model(tiny_lfm2), AutoTokenizer.from_pretrained(tiny_lfm2)
+def hf(model_path):
+    return load_hf_model(model_path), AutoTokenizer.from_pretrained(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +58,14 @@ def dumps(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_lfm2, tmp_path_factory, dumps):
-    """Tail-Replay with the CPU flags and float32 conv states, and with SGLang's GPU-default scheduling (its mamba
-    radix-cache strategy left to SGLang, the overlap scheduler on) and its default bfloat16 conv states."""
-    yield from start_servers(tmp_path_factory, {
-        "tr": Spec(tiny_lfm2, TR, {**FLOAT32_CONV, **faults_env(dump_states=dumps)}),
-        "production": Spec(tiny_lfm2, TR, kwargs={"gpu_scheduling": True}),
-    })
+def servers(model_path, tmp_path_factory, dumps):
+    """Tail-Replay with the CPU flags and float32 conv states; for LFM2 also with SGLang's GPU-default scheduling (its
+    mamba radix-cache strategy left to SGLang, the overlap scheduler on) and its default bfloat16 conv states (the
+    family's path is the same on LFM2-MoE: one server start saved)."""
+    specs = {"tr": Spec(model_path, TR, {**FLOAT32_CONV, **faults_env(dump_states=dumps)})}
+    if model_path.name == "tiny-lfm2":
+        specs["production"] = Spec(model_path, TR, kwargs={"gpu_scheduling": True})
+    yield from start_servers(tmp_path_factory, specs)
 
 
 def test_cold_prompts_equal_hf(servers, hf):
@@ -90,11 +95,12 @@ def test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache(ser
     fork = base[:cut] + random_ids(10, seed=cut + 1000)
     flush_cache(server.base_url)
     generate(server, base, 1)
-    hit = scored(server, fork, cut, max_new=NEW, rid=f"dump-lfm2-{cut}")
+    rid = f"dump-{Path(server.model_path).name}-{cut}"
+    hit = scored(server, fork, cut, max_new=NEW, rid=rid)
     meta = hit["meta"]
     assert meta["cached_tokens"] == cut and meta["tail_replay_exact"] is True, meta
     assert meta["tail_replay_tokens"] == min(WINDOW, cut) and meta["tail_replay_anchor"] is None, meta
-    rebuilt, expected = dumped_states(dumps, f"dump-lfm2-{cut}")["conv"], conv_states(model, base[:cut], 3)
+    rebuilt, expected = dumped_states(dumps, rid)["conv"], conv_states(model, base[:cut], 3)
     assert rebuilt.keys() == expected.keys() == {0, 1, 3, 4, 5, 7}
     errors = {layer: float((rebuilt[layer] - state).abs().max() / state.abs().max()) for layer, state in
               expected.items()}
@@ -109,6 +115,8 @@ def test_multi_turn_and_eight_concurrent_hits(servers, hf, name):
     system prompt hit it at once, each replaying its window in one pass. Each equals HF's greedy tokens (float32
     conv states) or the server's own no-cache run (SGLang's bfloat16 ones)."""
     model, tok = hf
+    if name not in servers:
+        pytest.skip("SGLang's GPU-default scheduling runs on tiny-lfm2 only")
     server = servers[name]
 
     def reference(ids):

@@ -1,4 +1,5 @@
-"""LFM2's gated short convolution (`Lfm2ForCausalLM`): a conv-only state, rebuilt exactly from a few tokens.
+"""LFM2's gated short convolution (`Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`): a conv-only state, rebuilt exactly from
+a few tokens.
 
 An LFM2 conv layer is norm -> in_proj -> (B, C, x) -> conv over B * x -> C * conv -> out_proj, then a SwiGLU MLP;
 its state is the last K - 1 rows of B * x (K = `conv_L_cache`), nothing else. A group of n conv layers (the
@@ -7,20 +8,27 @@ a zero state over that many tokens, layer 1's outputs are exact from its (K - 1)
 state needs, and so on. So every hit replays `state_window` tokens from a cleared slot and is exact at any token
 boundary: no anchors, no stored states, no survival bound (`config.state_window`, set by the launcher).
 
-The mixer is replayed through the model's own projections, norms and conv weights, and through the conv kernel the
-model itself calls (`sglang.srt.models.lfm2.causal_conv1d_fn`: Triton on a GPU, the CPU port's torch conv here),
-with no initial state, which writes each tail's conv state into its slot.
+The mixer is replayed through the model's own projections, norms and conv weights, and through the unfused conv
+kernel its module calls (`causal_conv1d_fn` of `models/lfm2.py` or `models/lfm2_moe.py`: Triton on a GPU, the CPU
+port's torch conv here; LFM2-MoE's fused bfloat16 kernel computes the same conv), with no initial state, which
+writes each tail's conv state into its slot. The feed-forward block is a dense MLP or LFM2-MoE's MoE, each reduced
+over TP inside.
 """
 
-import pkgutil
+import sys
 
 import torch
 
 from tailreplay_sglang import capture
 from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements
 
-_CONV_KERNEL = "sglang.srt.models.lfm2:causal_conv1d_fn"
+_CONV_KERNEL = "causal_conv1d_fn"  # as the conv layer's own model module binds it
 _LAYER = ("operator_norm", "ffn_norm", "feed_forward", "conv.in_proj", "conv.out_proj", "conv.conv_weight")
+
+
+def conv_kernel_module(layer):
+    """The model module that defines the layer's conv class (and binds the conv kernel it calls)."""
+    return sys.modules[type(layer.conv).__module__]
 
 
 def state_window(layout) -> int:
@@ -40,7 +48,7 @@ class ShortConvFamily(Family):
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         """The group's conv layers in order; the last one computes only its state."""
-        conv_fn = pkgutil.resolve_name(_CONV_KERNEL)
+        conv_fn = getattr(conv_kernel_module(model.layers[group.recurrent_layers[0]]), _CONV_KERNEL)
         no_initial_state = torch.zeros(len(batch.tail_lens), dtype=torch.bool, device=x.device)
         cu = batch.cu_seqlens.to(torch.int32)
         for layer_id in group.recurrent_layers:
@@ -49,10 +57,12 @@ class ShortConvFamily(Family):
             x = replay_layer(model.layers[layer_id], conv_fn, conv_state, x, batch, cu, no_initial_state, last)
 
     def required(self, model, layout) -> list:
-        return layer_requirements(model, [i for g in layout.groups for i in g.recurrent_layers], _LAYER)
-
-    def required_kernels(self) -> tuple[str, ...]:
-        return (_CONV_KERNEL,)
+        layers = [i for g in layout.groups for i in g.recurrent_layers]
+        needs = layer_requirements(model, layers, _LAYER)
+        if hasattr(model.layers[layers[0]], "conv"):
+            module = conv_kernel_module(model.layers[layers[0]])
+            needs.append((module, _CONV_KERNEL, module.__name__))
+        return needs
 
 
 def replay_layer(layer, conv_fn, conv_state, x: torch.Tensor, batch: ReplayBatch, cu, no_initial_state,
