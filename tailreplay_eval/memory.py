@@ -56,7 +56,8 @@ from rich.table import Table
 from tailreplay_sglang.architectures import REFUSED
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid, layer_kinds
+from tailreplay_sglang.layout import (BLOCK_KINDS, FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid,
+                                     layer_kinds)
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,6 +362,8 @@ def _mamba2_form(config: dict) -> tuple[int, int, int, int, int, int]:
     if kda := _kda_dims(config):
         heads, head_dim, conv_width = kda
         return heads * head_dim, heads, heads, head_dim, head_dim, conv_width
+    if "conv_L_cache" in config:  # LFM2's short conv: a conv over the hidden size, no SSM state
+        return config["hidden_size"], 0, 0, 0, 0, config["conv_L_cache"]
     if "layer_group_size" in config:  # BailingHybridConfig.mamba2_cache_params without KDA: conv_kernel 1
         return 0, 0, config["num_attention_heads"], config["head_dim"], config["head_dim"], 1
     if "linear_num_key_heads" in config:
@@ -547,7 +550,7 @@ def _layer_counts(config: dict) -> tuple[int, int, tuple[int, ...]]:
     if is_parallel_hybrid(config.get("architectures") or ()):
         n = config["num_hidden_layers"]
         return n, n, tuple(range(1, n))
-    layout = HybridLayout(tuple(config["layer_types"]), config["hidden_size"])
+    layout = HybridLayout(tuple(BLOCK_KINDS.get(t, t) for t in config["layer_types"]), config["hidden_size"])
     return (layout.layer_types.count(FULL), layout.layer_types.count(LINEAR),
             tuple(g.first_layer for g in layout.stored_groups))
 
