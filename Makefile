@@ -14,4 +14,4 @@ test: setup  ## the test suite (starts real SGLang servers on loopback)
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup  ## the tests that start no SGLang server, router, Engine or launcher (-m "not server")
-	$(PY) -m pytest -q -m "not server"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not server"
