@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
+from tailreplay_eval import minicpmv
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -267,6 +268,13 @@ PRESETS: dict[str, Preset] = {
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
     ),
+    # MiniCPM-V 4.6 (minicpmv4_6, `tailreplay_eval.minicpmv`): tiny-qwen35's text stack under a two-layer SigLIP tower
+    # of 14-px patches at 448 px (1024 patches, 64 language-model tokens per image after the 16x downsampling).
+    "tiny-minicpmv4.6": Preset(
+        model_type="minicpmv4_6", **TINY,
+        vision=Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14,
+                      num_position_embeddings=(448 // 14) ** 2),
+    ),
     # LFM2 (lfm2: gated short conv + GQA, each layer with a SwiGLU MLP): groups of 2, 3 and 1 conv layers between the
     # attention layers, so a zero-init tail of (3 - 1) x 3 = 6 tokens rebuilds every group's state exactly.
     "tiny-lfm2": Preset(
@@ -341,7 +349,8 @@ def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = (),
 
 def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
-    special = SPECIAL_TOKENS + (VISION_TOKENS if preset.vision else ())
+    special = SPECIAL_TOKENS + (minicpmv.SPECIAL_TOKENS if preset.model_type == "minicpmv4_6"
+                                else VISION_TOKENS if preset.vision else ())
     return train_tokenizer(preset.vocab_size, vocabulary_texts() if preset.task_words else (), special)
 
 
@@ -601,6 +610,9 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return lfm2_config(preset, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
+    if preset.model_type == "minicpmv4_6":
+        text = model_config(replace(preset, model_type="qwen3_5_text", vision=None), tokenizer)
+        return minicpmv.minicpmv_config(text, preset.vision, tokenizer, preset.rope_theta)
     if preset.vision is not None:
         return vision_language_config(preset, tokenizer)
     moe_fields = {}
@@ -752,10 +764,15 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
-    if preset.vision is not None:
+    minicpm = preset.model_type == "minicpmv4_6"
+    if minicpm:
+        minicpmv.save_processor(tokenizer, staging)
+    elif preset.vision is not None:
         save_processor(preset, tokenizer, staging)
-    template = CHAT_TEMPLATE if preset.vision is None else VL_CHAT_TEMPLATE
+    template = VL_CHAT_TEMPLATE if preset.vision is not None and not minicpm else CHAT_TEMPLATE
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # after (over) the processor's
+    if minicpm:
+        minicpmv.mark_tokens(staging)
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors

@@ -28,6 +28,8 @@ SERVED = {
     "BailingMoeV2_5ForCausalLM": (LIGHTNING, "Ling-2.5 / Ring-2.5 (Bailing lightning attention + MLA)"),
     "Lfm2ForCausalLM": (SHORT_CONV, "LFM2 (gated short conv + GQA)"),
     "Lfm2MoeForCausalLM": (SHORT_CONV, "LFM2-MoE (gated short conv + GQA, MoE)"),
+    "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
+                                                  "tower)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -78,8 +80,8 @@ REFUSED = {
     "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "
                         + _NO_FAMILY),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
-    "MiniCPMV4_6ForConditionalGeneration": ("MiniCPM-V 4.6: a Qwen3.5 backbone in MiniCPM-V's wrapper; " + _UNTESTED),
-    "MiniCPMV4_7ForConditionalGeneration": ("MiniCPM-V 4.7: a Qwen3.5 backbone in MiniCPM-V's wrapper; " + _UNTESTED),
+    "MiniCPMV4_7ForConditionalGeneration": ("MiniCPM-V 4.7: MiniCPM-V 4.6 with canvas M-RoPE over image rows; "
+                                            + _UNTESTED),
     "InternS2PreviewForConditionalGeneration": ("InternS2-Preview: a Qwen3.5-layout GDN hybrid; " + _UNTESTED),
     "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "
                                                "banks; " + _UNTESTED),
@@ -97,6 +99,14 @@ REFUSED = {
 
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture is not on the allow-list; the message names it and what is served."""
+
+
+def decoder_stack(model):
+    """The decoder (`layers`, `embed_tokens`) in the model object SGLang runs: `model.model` for every served
+    architecture but MiniCPM-V, whose runner holds the version's module with the Qwen3.5 decoder at `llm` (SGLang's
+    `Qwen3_5ForCausalLM` is the decoder itself; the vision-language class holds it as `model`)."""
+    llm = getattr(model, "llm", None)
+    return llm if llm is not None else model.model
 
 
 def served_list() -> str:

@@ -23,6 +23,7 @@ import logging
 import torch
 
 from tailreplay_sglang import dp_attention, hooks, replay, supported, visibility
+from tailreplay_sglang.architectures import decoder_stack
 from tailreplay_sglang.cache.component import create_tail_replay_cache
 from tailreplay_sglang.cache.decode_component import create_decode_cache
 from tailreplay_sglang.cache.host_anchors import HostAnchors
@@ -90,7 +91,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     if getattr(runner, "is_draft_worker", False):
         return result
     layout = HybridLayout.from_hf_config(runner.model_config.hf_config)
-    model = runner.model.model
+    model = decoder_stack(runner.model)
     runtime.family = family_for(layout)
     runtime.family.bind(model, layout)  # fails the start-up on a model internal this SGLang lacks
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding

@@ -21,6 +21,7 @@ import time
 import torch
 
 from tailreplay_sglang import dp_attention, visibility
+from tailreplay_sglang.architectures import decoder_stack
 from tailreplay_sglang.cache.request import Match, PendingReplays
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.families import Family, ReplayBatch
@@ -98,7 +99,7 @@ def _unbound():
 
 
 def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, h2d_mode: str) -> None:
-    model, pool = runner.model.model, runner.req_to_token_pool
+    model, pool = decoder_stack(runner.model), runner.req_to_token_pool
     embedding = token_embedding(model)
     dtype = embedding.weight.dtype
     h2d = HostToDevice(runner.device, h2d_mode)
@@ -158,7 +159,7 @@ def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pendi
         if batch is None:
             if exchange.total:
                 with own_token_counts():
-                    family.participate(runner.model.model, store.layout, exchange)
+                    family.participate(decoder_stack(runner.model), store.layout, exchange)
             return None
         batch.exchange = exchange
     if batch is None:

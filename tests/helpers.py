@@ -5,8 +5,10 @@ in conftest.py; test modules import these with `from helpers import ...` (pytest
 it does for conftest.py)."""
 
 import ast
+import base64
 import concurrent.futures
 import importlib.util
+import io
 import json
 import os
 import random
@@ -15,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import requests
 import torch
+from PIL import Image
 
 from tailreplay_eval.exactness import (EXACT_MEAN_TOL, EXACT_TOL, assert_exact, exact_errors,  # noqa: F401
                                       generate, generate_response, no_cache, scored, scored_from)
@@ -459,3 +463,21 @@ def count_tensor_calls(monkeypatch, names=HOST_READS) -> list[str]:
         monkeypatch.setattr(torch.Tensor, name,
                             lambda self, *a, _o=original, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
     return calls
+
+
+def image(seed: int, px: int | tuple[int, int] = 128) -> Image.Image:
+    """A random RGB image, `px` square or (height, width)."""
+    h, w = (px, px) if isinstance(px, int) else px
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def data_uri(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def with_images(*images) -> dict:
+    """The /generate keywords that attach `images` (PIL) as data URIs, as a client sends them."""
+    return {"image_data": [data_uri(i) for i in images]} if images else {}

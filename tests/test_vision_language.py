@@ -10,17 +10,14 @@ error) and the first greedy token. Measured on this model: a replay that re-embe
 token on average (0.071 at most) and changes the greedy outputs; from the stored input, 1.7e-4 (7.5e-4 at most).
 """
 
-import base64
-import io
-
 import numpy as np
 import pytest
 import requests
 import torch
-from PIL import Image
 from transformers import AutoProcessor
 
-from helpers import EXACT_FLAGS, EXACT_TOL, Spec, exact_errors, generate, no_cache, scored, start_servers
+from helpers import (EXACT_FLAGS, EXACT_TOL, Spec, data_uri, exact_errors, generate, image, no_cache, scored,
+                     start_servers, with_images)
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import flush_cache
 
@@ -43,17 +40,6 @@ def prompt(content: str) -> str:
     return f"{user_turn(content)}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def image(seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((IMAGE_PX, IMAGE_PX, 3)) * 255).astype("uint8"))
-
-
-def data_uri(img: Image.Image) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
     """Started together:
@@ -67,11 +53,6 @@ def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
                                           str(CHUNK), "--tail-replay-fold-tokens", "0")),
         "paper_moe": Spec(tiny_qwen35_moe_vl, EXACT_FLAGS),
     })
-
-
-def with_images(*images) -> dict:
-    """The /generate keywords that attach `images` (PIL) as data URIs, as a client sends them."""
-    return {"image_data": [data_uri(i) for i in images]} if images else {}
 
 
 def assert_as_no_cache(hit: dict, ref: dict) -> None:

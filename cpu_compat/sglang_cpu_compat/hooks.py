@@ -121,6 +121,8 @@ CPU_ENGINE = (
          f"{_PKG}.dp_attention:reduce_scatterv_on_cpu",
          "DP attention with expert parallelism scatters each layer's output back to the DP groups with pynccl's "
          "reduce_scatterv; on a CPU, SGLang's own all-reduce-and-slice form"),
+    Hook(f"{_SRT}.model_loader.loader._initialize_model", "around", f"{_PKG}.minicpmv:keep_shared_experts_config",
+         "MiniCPM-V's wrapper loses the loader's shared-experts record at model.eval(): every runner's warm-up raises"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),

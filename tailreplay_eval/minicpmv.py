@@ -1,0 +1,58 @@
+"""MiniCPM-V 4.6 (`MiniCPMV4_6ForConditionalGeneration`, model_type `minicpmv4_6`): tiny checkpoints.
+
+A Qwen3.5 language model (the preset's text stack, as `models.model_config` builds it) under MiniCPM-V's SigLIP
+tower, its mid-tower window merger and an MLP merger, with the processor transformers 5.19 has for it. SGLang
+serves the model with its own port of that processor (`multimodal/processors/minicpmv4_6.py`), which resizes with
+torchvision: an image already at the processor's scale resolution (448 px) is not resized by either, so the two
+agree token for token; smaller images are resized differently (0.006 nats at most on the tiny model, against 4e-4
+at 448 px: measured, tests/test_vision_language.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from transformers import AutoConfig, PretrainedConfig
+
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+# What the processor names each marker (the tokenizer's `extra_special_tokens`), as the 4.6 checkpoints spell them.
+MARKERS = dict(image_token=IMAGE_PAD, video_token=VIDEO_PAD, image_start_token="<image>", image_end_token="</image>",
+               slice_start_token="<slice>", slice_end_token="</slice>", image_id_start_token="<image_id>",
+               image_id_end_token="</image_id>")
+SPECIAL_TOKENS = tuple(MARKERS.values())
+SCALE_RESOLUTION = 448  # the processor's base resolution (SGLang's port hard-codes it)
+PATCH_SIZE = 14
+
+
+def minicpmv_config(text: PretrainedConfig, vision, tokenizer: Tokenizer, rope_theta: float) -> PretrainedConfig:
+    """MiniCPMV4_6Config over the text config `text` (a `qwen3_5_text` one) with a SigLIP tower of `vision`'s
+    sizes; the window merger runs after the tower's first layer (`insert_layer_id` 0: the tiny tower has two)."""
+    text_fields = dict(text.to_dict(), rope_theta=rope_theta)  # to_dict drops the top-level copy SGLang reads
+    return AutoConfig.for_model(
+        "minicpmv4_6", text_config=text_fields, insert_layer_id=0, image_size=SCALE_RESOLUTION,
+        vision_config=dict(hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size,
+                           num_hidden_layers=vision.depth, num_attention_heads=vision.num_heads,
+                           patch_size=PATCH_SIZE, image_size=SCALE_RESOLUTION),
+        image_token_id=tokenizer.token_to_id(IMAGE_PAD), video_token_id=tokenizer.token_to_id(VIDEO_PAD),
+    )
+
+
+def save_processor(tokenizer: Tokenizer, out_dir: Path) -> None:
+    """transformers' MiniCPMV4_6Processor at its defaults (448 px, up to 9 slices, 16x downsampling). It writes
+    tokenizer files of its own: `models.save_tokenizer` runs after it, then `mark_tokens` puts the markers back."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.minicpmv4_6 import MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, extra_special_tokens=MARKERS)
+    MiniCPMV4_6Processor(image_processor=MiniCPMV4_6ImageProcessor(), video_processor=MiniCPMV4_6VideoProcessor(),
+                         tokenizer=fast).save_pretrained(out_dir)
+
+
+def mark_tokens(out_dir: Path) -> None:
+    """The processor finds its markers as tokenizer attributes (`tokenizer.image_token`), which transformers reads
+    from tokenizer_config.json's `extra_special_tokens`."""
+    path = out_dir / "tokenizer_config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), extra_special_tokens=MARKERS), indent=2) + "\n")
