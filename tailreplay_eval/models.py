@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import minicpmv
+from tailreplay_eval import lfm2vl, minicpmv
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -275,6 +275,13 @@ PRESETS: dict[str, Preset] = {
         vision=Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14,
                       num_position_embeddings=(448 // 14) ** 2),
     ),
+    # LFM2-VL (lfm2_vl, `tailreplay_eval.lfm2vl`): tiny-lfm2's text stack under a two-layer SigLIP2 tower of 16-px
+    # patches (a 256-px image: 256 patches, 64 rows after the 2 x 2 unshuffle).
+    "tiny-lfm2-vl": Preset(
+        model_type="lfm2_vl", **TINY, short_conv=ShortConv(pattern="CC*CCC*C"),
+        vision=Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16,
+                      num_position_embeddings=256),
+    ),
     # LFM2 (lfm2: gated short conv + GQA, each layer with a SwiGLU MLP): groups of 2, 3 and 1 conv layers between the
     # attention layers, so a zero-init tail of (3 - 1) x 3 = 6 tokens rebuilds every group's state exactly.
     "tiny-lfm2": Preset(
@@ -349,8 +356,8 @@ def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = (),
 
 def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
-    special = SPECIAL_TOKENS + (minicpmv.SPECIAL_TOKENS if preset.model_type == "minicpmv4_6"
-                                else VISION_TOKENS if preset.vision else ())
+    wrapper = {"minicpmv4_6": minicpmv, "lfm2_vl": lfm2vl}.get(preset.model_type)
+    special = SPECIAL_TOKENS + (wrapper.SPECIAL_TOKENS if wrapper else VISION_TOKENS if preset.vision else ())
     return train_tokenizer(preset.vocab_size, vocabulary_texts() if preset.task_words else (), special)
 
 
@@ -608,6 +615,9 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return olmo_hybrid_config(preset, tokenizer)
     if preset.model_type in ("lfm2", "lfm2_moe"):
         return lfm2_config(preset, tokenizer)
+    if preset.model_type == "lfm2_vl":
+        text = lfm2_config(replace(preset, model_type="lfm2", vision=None), tokenizer)
+        return lfm2vl.lfm2vl_config(text, preset.vision, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
     if preset.model_type == "minicpmv4_6":
@@ -731,7 +741,7 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _vary_norm_weights(model)
     if config.model_type == "kimi_linear":
         _init_kda_gates(model)
-    if config.model_type in ("lfm2", "lfm2_moe"):
+    if config.model_type in ("lfm2", "lfm2_moe", "lfm2_vl"):
         _init_short_conv(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
@@ -764,15 +774,15 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
-    minicpm = preset.model_type == "minicpmv4_6"
-    if minicpm:
-        minicpmv.save_processor(tokenizer, staging)
+    wrapper = {"minicpmv4_6": minicpmv, "lfm2_vl": lfm2vl}.get(preset.model_type)  # a vision wrapper's builder
+    if wrapper:
+        wrapper.save_processor(tokenizer, staging)
     elif preset.vision is not None:
         save_processor(preset, tokenizer, staging)
-    template = VL_CHAT_TEMPLATE if preset.vision is not None and not minicpm else CHAT_TEMPLATE
+    template = VL_CHAT_TEMPLATE if preset.vision is not None and not wrapper else CHAT_TEMPLATE
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # after (over) the processor's
-    if minicpm:
-        minicpmv.mark_tokens(staging)
+    if wrapper:
+        wrapper.mark_tokens(staging)
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors
@@ -796,6 +806,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
             from tailreplay_eval.ling import convert_to_ling
 
             convert_to_ling(staging, preset.rope_theta, record["seed"])
+    elif preset.model_type == "lfm2_vl":
+        lfm2vl.liquid_names(staging / "model.safetensors")
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     marker = dict(record, num_parameters=model.num_parameters())

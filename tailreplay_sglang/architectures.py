@@ -28,6 +28,7 @@ SERVED = {
     "BailingMoeV2_5ForCausalLM": (LIGHTNING, "Ling-2.5 / Ring-2.5 (Bailing lightning attention + MLA)"),
     "Lfm2ForCausalLM": (SHORT_CONV, "LFM2 (gated short conv + GQA)"),
     "Lfm2MoeForCausalLM": (SHORT_CONV, "LFM2-MoE (gated short conv + GQA, MoE)"),
+    "Lfm2VlForConditionalGeneration": (SHORT_CONV, "LFM2-VL (LFM2 under a SigLIP2 vision tower)"),
     "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
                                                   "tower)"),
 }
@@ -66,7 +67,6 @@ REFUSED = {
     "FalconH1ForCausalLM": (
         "Falcon-H1: attention and Mamba2 side by side in every layer, so every layer would be a group and the store "
         "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
-    "Lfm2VlForConditionalGeneration": ("LFM2-VL: gated short-conv layers, " + _NO_FAMILY),
     "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
     "NemotronHPuzzleForCausalLM": ("Nemotron-H Puzzle (heterogeneous per-layer blocks); " + _UNTESTED),
@@ -102,11 +102,12 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def decoder_stack(model):
-    """The decoder (`layers`, `embed_tokens`) in the model object SGLang runs: `model.model` for every served
-    architecture but MiniCPM-V, whose runner holds the version's module with the Qwen3.5 decoder at `llm` (SGLang's
-    `Qwen3_5ForCausalLM` is the decoder itself; the vision-language class holds it as `model`)."""
-    llm = getattr(model, "llm", None)
-    return llm if llm is not None else model.model
+    """The decoder (`layers`, `embed_tokens`) in the model object SGLang runs: `model.model`, except under two vision
+    wrappers: LFM2-VL's language model (`Lfm2ForCausalLM`) at `language_model`, and MiniCPM-V, whose runner holds the
+    version's module with its Qwen3.5 decoder at `llm` (SGLang's `Qwen3_5ForCausalLM` is the decoder itself)."""
+    if hasattr(model, "llm"):
+        return model.llm
+    return model.language_model.model if hasattr(model, "language_model") else model.model
 
 
 def served_list() -> str:

@@ -70,11 +70,6 @@ def tiny_qwen35_moe_vl() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_minicpmv46() -> Path:
-    return build_model("tiny-minicpmv4.6", MODELS_DIR / "tiny-minicpmv4.6")
-
-
-@pytest.fixture(scope="session")
 def tok_qwen35(tiny_qwen35):
     return AutoTokenizer.from_pretrained(tiny_qwen35)
 

@@ -234,11 +234,12 @@ MUTANTS = (
            '        store.write_hidden(first_layer, forward_batch.out_cache_loc, kwargs["residual"][:n])',
            ("tests/test_lfm2.py::test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache",),
            server=True),
-    Mutant("minicpmv-reembed", "MiniCPM-V 4.6's replay re-embeds the ids of an image's rows instead of reading the "
-           "stored group-0 input (the vision tower's features)", "tailreplay_sglang/layout.py",
+    Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL) re-embeds the ids of an "
+           "image's rows instead of reading the stored group-0 input (the vision tower's features)",
+           "tailreplay_sglang/layout.py",
            "        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,",
            "        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=False, mixer=mixer,",
-           ("tests/test_minicpmv.py::test_a_hit_through_an_image_equals_no_cache",), server=True),
+           ("tests/test_vision_wrappers.py::test_a_hit_through_a_split_image_equals_no_cache",), server=True),
     Mutant("replan-skip", "a load-back that brings fewer tokens than planned keeps the old plan (replan_after_load)",
            "tailreplay_sglang/cache/component.py",
            "        if state is None or state.match is None or state.match.matched == m:",
