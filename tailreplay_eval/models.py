@@ -174,6 +174,9 @@ class Preset:
     mtp_layers: int = 0
 
 
+# model_type -> the module that builds a vision wrapper's config, processor and marker tokens
+VISION_WRAPPERS = {"minicpmv4_6": minicpmv, "minicpmv4_7": minicpmv, "lfm2_vl": lfm2vl}
+
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
 TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_head_dim=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -275,6 +278,13 @@ PRESETS: dict[str, Preset] = {
         vision=Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14,
                       num_position_embeddings=(448 // 14) ** 2),
     ),
+    # MiniCPM-V 4.7 (minicpmv4_7): 4.6's build with canvas M-RoPE, half of each head rotated so that the (t, h, w)
+    # sections have 4 pairs to split (as tiny-qwen35-vl).
+    "tiny-minicpmv4.7": Preset(
+        model_type="minicpmv4_7", **TINY, partial_rotary_factor=0.5, mrope_section=(2, 1, 1),
+        vision=Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14,
+                      num_position_embeddings=(448 // 14) ** 2),
+    ),
     # LFM2-VL (lfm2_vl, `tailreplay_eval.lfm2vl`): tiny-lfm2's text stack under a two-layer SigLIP2 tower of 16-px
     # patches (a 256-px image: 256 patches, 64 rows after the 2 x 2 unshuffle).
     "tiny-lfm2-vl": Preset(
@@ -356,7 +366,7 @@ def train_tokenizer(vocab_size: int, extra_texts: tuple[str, ...] = (),
 
 def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
-    wrapper = {"minicpmv4_6": minicpmv, "lfm2_vl": lfm2vl}.get(preset.model_type)
+    wrapper = VISION_WRAPPERS.get(preset.model_type)
     special = SPECIAL_TOKENS + (wrapper.SPECIAL_TOKENS if wrapper else VISION_TOKENS if preset.vision else ())
     return train_tokenizer(preset.vocab_size, vocabulary_texts() if preset.task_words else (), special)
 
@@ -620,9 +630,11 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return lfm2vl.lfm2vl_config(text, preset.vision, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
-    if preset.model_type == "minicpmv4_6":
-        text = model_config(replace(preset, model_type="qwen3_5_text", vision=None), tokenizer)
-        return minicpmv.minicpmv_config(text, preset.vision, tokenizer, preset.rope_theta)
+    if preset.model_type in ("minicpmv4_6", "minicpmv4_7"):
+        text = model_config(replace(preset, model_type="qwen3_5_text", vision=None, mrope_section=None), tokenizer)
+        if preset.mrope_section:
+            text.rope_parameters.update(mrope_section=list(preset.mrope_section), mrope_interleaved=True)
+        return minicpmv.minicpmv_config(preset.model_type, text, preset.vision, tokenizer, preset.rope_theta)
     if preset.vision is not None:
         return vision_language_config(preset, tokenizer)
     moe_fields = {}
@@ -774,8 +786,10 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
-    wrapper = {"minicpmv4_6": minicpmv, "lfm2_vl": lfm2vl}.get(preset.model_type)  # a vision wrapper's builder
-    if wrapper:
+    wrapper = VISION_WRAPPERS.get(preset.model_type)
+    if wrapper is minicpmv:
+        minicpmv.save_processor(preset.model_type, tokenizer, staging)
+    elif wrapper:
         wrapper.save_processor(tokenizer, staging)
     elif preset.vision is not None:
         save_processor(preset, tokenizer, staging)

@@ -31,6 +31,7 @@ SERVED = {
     "Lfm2VlForConditionalGeneration": (SHORT_CONV, "LFM2-VL (LFM2 under a SigLIP2 vision tower)"),
     "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
                                                   "tower)"),
+    "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -80,8 +81,6 @@ REFUSED = {
     "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "
                         + _NO_FAMILY),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
-    "MiniCPMV4_7ForConditionalGeneration": ("MiniCPM-V 4.7: MiniCPM-V 4.6 with canvas M-RoPE over image rows; "
-                                            + _UNTESTED),
     "InternS2PreviewForConditionalGeneration": ("InternS2-Preview: a Qwen3.5-layout GDN hybrid; " + _UNTESTED),
     "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "
                                                "banks; " + _UNTESTED),

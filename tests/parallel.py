@@ -45,7 +45,7 @@ MODULE_SECONDS = {
     "tests/test_kernels.py": 77, "tests/test_scale_out.py": 69, "tests/test_anchored_replay.py": 68,
     "tests/test_ttft_gpu.py": 44, "tests/test_vision_language.py": 42, "tests/test_olmo_hybrid.py": 41,
     "tests/test_training.py": 41, "tests/test_lfm2.py": 55, "tests/test_retraction.py": 35,
-    "tests/test_vision_wrappers.py": 57,
+    "tests/test_vision_wrappers.py": 80,
     "tests/test_cache_properties.py": 37, "tests/cpu_compat/test_cpu_ops.py": 35, "tests/test_flags.py": 32,
     # test_python_api 172, test_pd 141, test_bench 139, test_tail_replay 84, test_router 29, test_server 9
     SHARED_SERVER_GROUP: 574,

@@ -1,5 +1,6 @@
-"""Hybrids served under another family's vision wrapper: MiniCPM-V 4.6 (`MiniCPMV4_6ForConditionalGeneration`: a
-Qwen3.5 language model under MiniCPM-V's SigLIP tower, GDN) and LFM2-VL (`Lfm2VlForConditionalGeneration`: LFM2 under
+"""Hybrids served under another family's vision wrapper: MiniCPM-V 4.6 and 4.7 (`MiniCPMV4_6ForConditionalGeneration`,
+`MiniCPMV4_7ForConditionalGeneration`: a Qwen3.5 language model under MiniCPM-V's SigLIP tower, GDN; 4.7 with canvas
+M-RoPE positions, `tailreplay_eval.minicpmv`) and LFM2-VL (`Lfm2VlForConditionalGeneration`: LFM2 under
 a SigLIP2 NaFlex tower, gated short conv).
 
 SGLang feeds the first layer the tower's features in an image's rows, so a replay over an image starts from the
@@ -7,8 +8,9 @@ stored group-0 input (as on Qwen3.5's vision-language checkpoints, tests/test_vi
 holds its decoder where `architectures.decoder_stack` finds it (MiniCPM-V: `llm`; LFM2-VL: `language_model.model`).
 - MiniCPM-V: SGLang's processor port expands an image to `<image_id>i</image_id><image>` + 64 rows (448 px) +
   `</image>`, and `<slice>` rows for a wide image's slices. Its HF checks use 448-px images, which neither processor
-  resizes (`tailreplay_eval.minicpmv`). Two servers: anchored (CHUNK-token prefill chunks, every span replayed: a
-  fork's replay starts at an anchor inside the image's rows) and paper (the whole prefix from a cleared state).
+  resizes (`tailreplay_eval.minicpmv`). 4.6 on two servers: anchored (CHUNK-token prefill chunks, every span
+  replayed: a fork's replay starts at an anchor inside the image's rows) and paper (the whole prefix from a cleared
+  state); 4.7 on one, as anchored.
 - LFM2-VL: transformers' processor (SGLang calls it) makes a 256-px image one tile of 64 rows between
   `<|image_start|>` and `<|image_end|>`, a larger one 512-px tiles behind `<|img_row_r_col_c|>` and a thumbnail.
   Every hit replays its last WINDOW tokens from a cleared slot (`families.short_conv`), so a hit that ends right after
@@ -50,16 +52,19 @@ class Wrapper:
 
 
 MINICPMV = Wrapper("tiny-minicpmv4.6", "<|image_pad|>", 448, (448, 896))
+MINICPMV47 = Wrapper("tiny-minicpmv4.7", "<|image_pad|>", 448, (448, 896))
 LFM2VL = Wrapper("tiny-lfm2-vl", "<image>", 256, (512, 1024))
 # server name -> (wrapper, flags, env)
 SERVERS = {
     "minicpmv-anchored": (MINICPMV, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
                                      str(CHUNK), "--tail-replay-fold-tokens", "0"), {}),
     "minicpmv-paper": (MINICPMV, EXACT_FLAGS, {}),
+    "minicpmv47": (MINICPMV47, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
+                                "--tail-replay-fold-tokens", "0"), {}),
     "lfm2vl": (LFM2VL, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
                {"SGLANG_MAMBA_CONV_DTYPE": "float32"}),
 }
-HF_SERVERS = ("minicpmv-anchored", "lfm2vl")  # one per model
+HF_SERVERS = ("minicpmv-anchored", "minicpmv47", "lfm2vl")  # one per model
 
 
 def prompt(content: str) -> str:
@@ -98,7 +103,11 @@ def hf_greedy(model, processor, text, images) -> tuple[list[int], list[float]]:
     inputs = processor(text=text, images=images or None, return_tensors="pt")
     n = inputs["input_ids"].shape[1]
     out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    logits = model(**dict(inputs, input_ids=out, attention_mask=torch.ones_like(out))).logits[0, n - 1:-1]
+    full = dict(inputs, input_ids=out, attention_mask=torch.ones_like(out))
+    if "mm_token_type_ids" in inputs:  # which tokens are image rows (MiniCPM-V 4.7's canvas): none generated
+        types = inputs["mm_token_type_ids"]
+        full["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, out.shape[1] - n)], dim=1)
+    logits = model(**full).logits[0, n - 1:-1]
     return out[0, n:].tolist(), logits.float().log_softmax(-1).gather(-1, out[0, n:, None])[:, 0].tolist()
 
 
@@ -128,7 +137,7 @@ def test_text_and_images_are_served_as_hf_does(servers, hf, name, images):
 def assert_replayed(name: str, meta: dict, rows: list[int]) -> None:
     """Where each server's replay of a hit that ends after an image's last row starts: in the image's rows."""
     assert meta["tail_replay_exact"] is True
-    if name == "minicpmv-anchored":
+    if name in ("minicpmv-anchored", "minicpmv47"):
         anchor = meta["tail_replay_anchor"]
         assert anchor is not None and anchor % CHUNK == 0 and rows[0] < anchor < rows[-1]
     elif name == "minicpmv-paper":
