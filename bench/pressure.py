@@ -3,7 +3,7 @@ multi-turn chat where stock already hits exactly.
 
     python bench/pressure.py [--preset small] [--budget-mib 160] [--mamba-slots 12] [--host-anchors 256] \
         [--hicache-gb 2] [--arms ...] [--tenants 3] [--clients 4] [--scale 1.0] [--chat-clients 3] [--chat-turns 8] \
-        [--out runs/pressure.json]
+        [--tp 1] [--out runs/pressure.json]
 
 Every server runs SGLang's GPU-default scheduling (no strategy flag: extra_buffer with the overlap scheduler), as
 users run it.
@@ -25,6 +25,12 @@ as sessions taken in a fixed order by `--clients` concurrent clients (each runs 
 Per arm: hits (requests with cached tokens), the share of hits reported exact (`tail_replay_exact`; a stock hit is
 always exact: it hits only on a kept state), reuse (cached / matchable tokens, matchable as in bench/workloads.py),
 TTFT p50 / p99, requests/s over the trace, and from `/server_info` the anchors evicted and host-anchor hits.
+
+At TP > 1 (`--tp 2`: issue 63's equal-memory comparison) the arms are stock and Tail-Replay with its hidden store
+sharded over the attention-TP ranks (the default) or replicated on each (`--tail-replay-store-tp replicate`), and
+`--budget-mib` is each rank's: its tokens are the budget over the rank's device bytes per token
+(`memory.account_per_rank`: the rank's KV heads, and its part of each stored row or whole rows). Each rank runs on
+its own core (`SGLANG_CPU_OMP_THREADS_BIND`).
 
 Chat A/B. Stock and Tail-Replay (defaults) with roomy pools: `--chat-clients` chats over their own 1024-token
 document, `--chat-turns` turns each, the two servers asked alternately (the same prompt text; each keeps its own
@@ -50,7 +56,7 @@ from rich.table import Table
 
 from tailreplay_eval import harness
 from tailreplay_eval.client import stream_generate
-from tailreplay_eval.memory import device_bytes_per_token
+from tailreplay_eval.memory import account_per_rank, device_bytes_per_token, serving_dtype_name
 from tailreplay_sglang.pool_report import KEY as POOLS_KEY
 
 ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay", "--tail-replay-anchor-keep", "lru"),
@@ -60,6 +66,10 @@ ARMS = {"stock": (), "Tail-Replay, device anchors, LRU": ("--enable-tail-replay"
                                      "--hicache-size"),  # + GB
         "Tail-Replay, HiCache host tier": ("--enable-tail-replay", "--enable-hierarchical-cache",
                                            "--hicache-io-backend", "direct", "--hicache-size")}  # + GB
+# At TP > 1: the store sharded over the ranks, or whole rows on each (issue 63), against stock
+TP_ARMS = {"stock": (), "Tail-Replay, sharded store": ("--enable-tail-replay",),
+           "Tail-Replay, replicated store": ("--enable-tail-replay", "--tail-replay-store-tp", "replicate")}
+TP_BYTES = {"stock": "stock", "Tail-Replay, sharded store": "sharded", "Tail-Replay, replicated store": "replicated"}
 SERVER_FLAGS = ("--enable-cache-report",)
 SYSTEM_TOKENS, DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 1024, 1500, 48, 16, 600
 
@@ -263,6 +273,25 @@ def plot(arms: dict[str, Arm], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def arm_flags(args, run) -> tuple[dict[str, tuple], dict[str, int]]:
+    """Each pressure arm's server flags, and the tokens its pool gets at `--budget-mib` of device memory (per rank
+    at TP > 1)."""
+    if args.tp > 1:
+        dtype = serving_dtype_name(run.model_path, run.server_args)
+        per_rank = account_per_rank(run.model_path, args.tp, hidden_dtype=dtype)
+        arms = {label: arm for label, arm in TP_ARMS.items() if label in (args.arms or TP_ARMS)}
+        flags = {label: (*SERVER_FLAGS, *arm, "--tp-size", str(args.tp)) for label, arm in arms.items()}
+        tokens = {label: int(args.budget_mib * 2**20 // per_rank[TP_BYTES[label]]["device_bytes_per_token"])
+                  for label in flags}
+        return flags, tokens
+    sizes = {"--tail-replay-host-anchors": str(args.host_anchors), "--hicache-size": f"{args.hicache_gb:g}"}
+    flags = {label: (*SERVER_FLAGS, *arm, *((sizes[arm[-1]],) if arm and arm[-1] in sizes else ()))
+             for label, arm in ARMS.items() if label in (args.arms or ARMS)}
+    tokens = {label: int(args.budget_mib * 2**20 // device_bytes_per_token(run.model_path, run.server_args, f))
+              for label, f in flags.items()}
+    return flags, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap, "pressure.json")
@@ -270,7 +299,9 @@ def main() -> None:
     ap.add_argument("--mamba-slots", type=int, default=12, help="--max-mamba-cache-size of every pressure server")
     ap.add_argument("--host-anchors", type=int, default=256, help="--tail-replay-host-anchors of the host arm")
     ap.add_argument("--hicache-gb", type=float, default=2, help="--hicache-size of the HiCache arm (host memory)")
-    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="pressure arms to run")
+    ap.add_argument("--arms", nargs="+", choices=[*ARMS, *TP_ARMS], help="pressure arms to run (default: every arm "
+                    "of ARMS, or of TP_ARMS at --tp > 1)")
+    ap.add_argument("--tp", type=int, default=1, help="--tp-size of every server; > 1: the store-layout arms")
     ap.add_argument("--tenants", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every token count of the trace")
@@ -281,19 +312,16 @@ def main() -> None:
     run = harness.Run.begin(args)
     console = Console(width=170)
     vocab = harness.vocab_size(run.model_path)
-    sizes = {"--tail-replay-host-anchors": str(args.host_anchors), "--hicache-size": f"{args.hicache_gb:g}"}
-    flags = {label: (*SERVER_FLAGS, *arm, *((sizes[arm[-1]],) if arm and arm[-1] in sizes else ()))
-             for label, arm in ARMS.items() if label in args.arms}
-    tokens = {label: int(args.budget_mib * 2**20 // device_bytes_per_token(run.model_path, run.server_args, f))
-              for label, f in flags.items()}
+    flags, tokens = arm_flags(args, run)
     configs = {label: (*f, *run.server_args, "--max-total-tokens", str(tokens[label]), "--max-mamba-cache-size",
                        str(args.mamba_slots)) for label, f in flags.items()}
+    pinned = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(args.tp))} if args.tp > 1 else {}
     console.print(f"[bold]{args.budget_mib:g} MiB of device memory, {args.mamba_slots} mamba slots[/] -> max total "
                   f"tokens {tokens}")
     sessions = trace(args, vocab)
     rows, trace_records = [], None
     with (harness.running_servers(run.model_path, configs, run.out.with_name(f"{run.out.stem}.pressure"), console,
-                                  max_running_requests=4, gpu_scheduling=True)
+                                  max_running_requests=4, gpu_scheduling=True, env=pinned)
           if "pressure" in args.parts else contextlib.nullcontext({})) as servers:
         arms = {label: Arm(label, s.base_url) for label, s in servers.items()}
         for label, arm in arms.items():  # one arm at a time: the others idle

@@ -93,10 +93,11 @@ def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path,
     t0 = time.perf_counter()
     # SIGTERM (`timeout`, `kill`) would end Python without running `finally`, orphaning the servers: exit instead.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    common_env = server_kwargs.pop("env", {})  # every server's; `envs` adds each one's own (core pinning)
     try:
         for i, (label, flags) in enumerate(configs.items()):
             log = log_stem.with_suffix(f".server{i}.log")
-            env = {**server_kwargs.pop("env", {}), **(envs or {}).get(label, {})}  # per-server env (core pinning)
+            env = {**common_env, **(envs or {}).get(label, {})}
             servers[label] = ServerProcess(str(model_path), tuple(flags), log_path=log, env=env, **server_kwargs)
             servers[label].start()
         for label, server in servers.items():

@@ -555,6 +555,11 @@ def _layer_counts(config: dict) -> tuple[int, int, tuple[int, ...]]:
             tuple(g.first_layer for g in layout.stored_groups))
 
 
+def serving_dtype_name(model, flags: list[str] | tuple = ()) -> str:
+    """The activation dtype a server of `model` with `flags` runs in, by name ("bfloat16")."""
+    return _dtype_name(serving_dtype(resolve_model(model)[1], list(flags)))
+
+
 def device_bytes_per_token(model_path: Path, server_args: list[str], system_flags: tuple) -> int:
     """Bytes a server charges its device per pooled token: SGLang's KV cell (FA KV + any indexer cache), plus the
     stored hiddens unless they are on the host tier (`--tail-replay-hidden-tier host`)."""

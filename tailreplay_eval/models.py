@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import lfm2vl, minicpmv
+from tailreplay_eval import lfm2vl, minicpmv, nemotron_puzzle
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -169,6 +169,9 @@ class Preset:
     lightning: bool = False
     # LFM2 (model_type lfm2): its short-conv and attention layers; num_hidden_layers is the pattern's length.
     short_conv: ShortConv | None = None
+    # Nemotron-H Puzzle (`tailreplay_eval.nemotron_puzzle`): the `mamba2` pattern's MoE layers with their own sizes,
+    # written as NemotronHPuzzleForCausalLM with per-layer `block_configs`.
+    puzzle: bool = False
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
@@ -231,6 +234,13 @@ PRESETS: dict[str, Preset] = {
     "tiny-nemotron-h": Preset(
         model_type="nemotron_h", **dict(TINY, num_hidden_layers=11),
         mamba2=Mamba2(pattern="M-M*-MEM*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    # Nemotron-H Puzzle: tiny-nemotron-h's sizes with MoE layers at 3, 6 and 10, each with its own expert width and
+    # top-k (nemotron_puzzle.OVERRIDES).
+    "tiny-nemotron-h-puzzle": Preset(
+        model_type="nemotron_h", **dict(TINY, num_hidden_layers=11), puzzle=True,
+        mamba2=Mamba2(pattern="M-ME*-EM*ME", num_heads=8, head_dim=16, n_groups=2, state_size=16),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # Granite-4.0-H (granitemoehybrid, Mamba2): Mamba2 and attention mixers each with a MoE and a shared MLP in the
@@ -798,11 +808,15 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     if wrapper:
         wrapper.mark_tokens(staging)
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
+    if preset.puzzle:
+        nemotron_puzzle.with_block_configs(model, nemotron_puzzle.block_configs(preset.mamba2.pattern))
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(staging)  # transformers 5 always writes safetensors
     config_file = staging / "config.json"
     if preset.model_type == "nemotron_h":
         config_file.write_text(json.dumps(nvidia_config_fields(json.loads(config_file.read_text())), indent=2) + "\n")
+        if preset.puzzle:
+            nemotron_puzzle.as_puzzle(config_file, preset.mamba2.pattern)
     elif preset.model_type == "granitemoehybrid":  # as IBM ships Granite-4.0-H (transformers 5 writes HF's names)
         config = json.loads(config_file.read_text())
         config["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in config["layer_types"]]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import ling, ling25
+from tailreplay_eval import ling, ling25, nemotron_puzzle
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -57,12 +57,16 @@ def load_hf_model(model_path, dtype=torch.float32):
 
 def load_reference(model_path, dtype=torch.float32):
     """What a served checkpoint is checked against: transformers' model where transformers has the architecture,
-    else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`)."""
+    else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`; Nemotron-H Puzzle:
+    transformers' Nemotron-H with per-layer blocks, `nemotron_puzzle.load_reference`)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("architectures") == [ling25.ARCHITECTURE]:
         return load_ling25_reference(Path(model_path), dtype)
     if config.get("model_type") == "bailing_hybrid":
         return load_ling_reference(Path(model_path), dtype)
+    if config.get("architectures") == [nemotron_puzzle.ARCHITECTURE]:
+        force_torch_gdn()
+        return nemotron_puzzle.load_reference(Path(model_path), dtype)
     return load_hf_model(model_path, dtype)
 
 
@@ -89,21 +93,21 @@ def prompt_logprobs(model, input_ids: list[int]) -> list[float]:
 
 
 @torch.no_grad()
-def recurrent_states(model, input_ids: list[int]) -> dict[int, torch.Tensor]:
-    """Each linear-attention layer's recurrent state after the prompt, {layer id: [HV, V, K] float32}: HF's GDN state
-    ([1, HV, K, V]) in SGLang's pool layout, to compare with the states a server rebuilt."""
+def layer_states(model, input_ids: list[int]) -> dict[str, dict[int, torch.Tensor]]:
+    """Each linear-attention layer's state after the prompt, in SGLang's pool layout and float32, as the test
+    plugin's probe dumps a replay's (`{"temporal": {layer: [HV, V, K]}, "conv": {layer: [dim, width - 1]}}`): HF's GDN
+    recurrent state ([1, HV, K, V]) transposed, and the last width - 1 columns of the conv window HF keeps
+    ([1, dim, width]), where width is the model's conv kernel."""
     cache = model(input_ids=torch.tensor([input_ids]), use_cache=True).past_key_values
-    return {i: layer.recurrent_states[0][0].transpose(-1, -2).float() for i, layer in enumerate(cache.layers)
-            if getattr(layer, "recurrent_states", None)}
 
-
-@torch.no_grad()
-def conv_states(model, input_ids: list[int], width: int) -> dict[int, torch.Tensor]:
-    """Each conv layer's state after the prompt, {layer id: [dim, width - 1] float32}: the last width - 1 of the
-    window HF keeps ([1, dim, width]), as SGLang's pool keeps them."""
-    cache = model(input_ids=torch.tensor([input_ids]), use_cache=True).past_key_values
-    return {i: layer.conv_states[0][0, :, -(width - 1):].float() for i, layer in enumerate(cache.layers)
-            if getattr(layer, "conv_states", None)}
+    def held(layer, name):  # a cache layer's first sequence's state, or None where the layer keeps none
+        states = getattr(layer, name, None)
+        return None if not states or states[0] is None else states[0][0]
+    temporal = {i: held(layer, "recurrent_states").transpose(-1, -2).float() for i, layer in enumerate(cache.layers)
+                if held(layer, "recurrent_states") is not None}
+    conv = {i: held(layer, "conv_states")[:, 1:].float() for i, layer in enumerate(cache.layers)
+            if held(layer, "conv_states") is not None}
+    return {"temporal": temporal, "conv": conv}
 
 
 # --- Ling-3.0: transformers' Kimi Linear with Ling's MLA (tailreplay_eval.ling explains the differences) ---

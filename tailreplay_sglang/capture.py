@@ -20,28 +20,32 @@ from functools import partial
 from tailreplay_sglang.store.hidden_store import HiddenStore
 
 
+def write_rows(store: HiddenStore, first_layer: int | None, forward_batch, rows) -> None:
+    """For the batch's new tokens (`out_cache_loc`): their ids (`first_layer` None: group 0's capture point) or
+    `rows`, the input of the stored group that starts at `first_layer`."""
+    loc = forward_batch.out_cache_loc
+    if loc is None:
+        return
+    n = loc.shape[0]
+    if first_layer is None:
+        if forward_batch.input_ids is not None:
+            store.write_tokens(loc, forward_batch.input_ids[:n])
+    else:
+        store.write_hidden(first_layer, loc, rows[:n])
+
+
 def _capture_tokens(store: HiddenStore, module, args):
-    forward_batch = args[1]
-    if forward_batch.out_cache_loc is not None and forward_batch.input_ids is not None:
-        n = forward_batch.out_cache_loc.shape[0]
-        store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
+    write_rows(store, None, args[1], None)
 
 
 def _capture_group_input(store: HiddenStore, first_layer: int, module, args):
-    forward_batch = args[1]
-    stream = getattr(forward_batch, "residual_stream", None)
-    if stream is None or stream.residual is None or forward_batch.out_cache_loc is None:
-        return
-    n = forward_batch.out_cache_loc.shape[0]
-    store.write_hidden(first_layer, forward_batch.out_cache_loc, stream.residual[:n])
+    stream = getattr(args[1], "residual_stream", None)
+    if stream is not None and stream.residual is not None:
+        write_rows(store, first_layer, args[1], stream.residual)
 
 
 def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
-    hidden_states, forward_batch = args[1], args[2]
-    if forward_batch.out_cache_loc is None:
-        return
-    n = forward_batch.out_cache_loc.shape[0]
-    store.write_hidden(first_layer, forward_batch.out_cache_loc, hidden_states[:n])
+    write_rows(store, first_layer, args[2], args[1])  # layer(positions, hidden_states, forward_batch)
 
 
 def at_mixer_inputs(layers, store: HiddenStore, mixer: str) -> list:
@@ -68,14 +72,8 @@ class _StageInputCapture:
 
     def __call__(self, hidden_states, forward_batch, **kwargs):
         out = self.prepare(hidden_states, forward_batch, **kwargs)
-        if forward_batch.out_cache_loc is not None:
-            n = forward_batch.out_cache_loc.shape[0]
-            if self.first_layer is None:
-                if forward_batch.input_ids is not None:
-                    self.store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
-            else:
-                stream = forward_batch.residual_stream
-                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, stream.residual[:n])
+        rows = None if self.first_layer is None else forward_batch.residual_stream.residual
+        write_rows(self.store, self.first_layer, forward_batch, rows)
         return out
 
     def remove(self) -> None:
@@ -91,15 +89,8 @@ def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
 
 
 def _capture_layer_keywords(store: HiddenStore, first_layer: int | None, module, args, kwargs):
-    forward_batch = kwargs.get("forward_batch")
-    if forward_batch is None or forward_batch.out_cache_loc is None:
-        return
-    n = forward_batch.out_cache_loc.shape[0]
-    if first_layer is None:
-        if forward_batch.input_ids is not None:
-            store.write_tokens(forward_batch.out_cache_loc, forward_batch.input_ids[:n])
-    else:
-        store.write_hidden(first_layer, forward_batch.out_cache_loc, kwargs["hidden_states"][:n])
+    if kwargs.get("forward_batch") is not None:
+        write_rows(store, first_layer, kwargs["forward_batch"], kwargs["hidden_states"])
 
 
 def at_layer_keyword_inputs(layers, store: HiddenStore) -> list:

@@ -17,6 +17,7 @@ HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a fl
 GDN_CHUNK = 64  # the chunk of fla's delta-rule prefill kernels and ops/gdn: interval anchors lie on its grid
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")
+STORE_TP = ("shard", "replicate")  # the hidden store over attention-TP ranks: 1/N of each row per rank, or whole rows
 ANCHOR_KEEP = ("lru", "ends")  # which device anchor goes first under pressure (cache/component.py)
 # SGLang's --disaggregation-mode: a colocated server (null), or the prefill or decode server of a PD pair
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -36,6 +37,10 @@ class TailReplayConfig:
     mode: str = "ratio"  # ratio | full (replay the whole prefix: exact) | zero (no replay: the paper's baseline)
     hidden_tier: str | None = None  # where the hidden store lives: device | host; None: chosen for the device
     h2d: str = "ovl"  # a host-tier hit's tail load: ser (before the replay) | ovl (overlapped with it)
+    # Under attention TP: each rank keeps 1/N of every stored row (shard; joined by one all-gather per group at a
+    # replay), or whole rows (replicate: no collective, N times the memory; the layout before the sharded store, kept
+    # for comparison, bench/pressure.py --tp 2)
+    store_tp: str = "shard"
     # Anchored replay: recurrent states kept in the tree (anchors) where a request ends, where a prefill chunk ends,
     # and every `anchor_interval` tokens of a prefill (0: no interval anchors). A hit of m tokens whose deepest
     # anchor c has m - c <= budget starts from a copy of that state and replays [c, m): exact. Past the budget, or
@@ -109,6 +114,9 @@ class TailReplayConfig:
                                         f"launcher)")
         if self.h2d not in H2D_MODES:
             raise TailReplayConfigError(f"--tail-replay-h2d must be one of {', '.join(H2D_MODES)}, got {self.h2d!r}")
+        if self.store_tp not in STORE_TP:
+            raise TailReplayConfigError(f"--tail-replay-store-tp must be one of {', '.join(STORE_TP)}, "
+                                        f"got {self.store_tp!r}")
 
     def _check_types(self) -> None:
         """argparse converts the command line's strings; the Python keywords (python_api.py) arrive as given."""
@@ -116,7 +124,7 @@ class TailReplayConfig:
         expected = {"ratio": number, "min_tokens": integer, "max_tokens": integer + none, "hidden_dtype": text,
                     "mode": text, "hidden_tier": text + none, "h2d": text, "anchor_interval": integer,
                     "exact_budget": integer + none, "host_anchors": integer,
-                    "fold_tokens": integer, "anchor_keep": text}
+                    "fold_tokens": integer, "anchor_keep": text, "store_tp": text}
         for name, kinds in expected.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):

@@ -46,18 +46,19 @@ def add_store_to_cell_size(runtime: TailReplayRuntime, original, configurator, k
     if runtime.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
         return cell
     layout = HybridLayout.from_hf_config(kvc.model_config.hf_config)
-    shards = store_shard(kvc.model_config, layout.hidden_size).world
+    shards = store_shard(runtime, kvc.model_config, layout.hidden_size).world
     extra = bytes_per_token(layout, _hidden_dtype(runtime, kvc.model_config), shards)
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token (each row split over %d attention-TP "
                 "ranks)", cell, extra, shards)
     return cell + extra
 
 
-def store_shard(model_config, hidden_size: int) -> Shard:
+def store_shard(runtime: TailReplayRuntime, model_config, hidden_size: int) -> Shard:
     """This rank's part of the hidden store (`hidden_store.Shard`): 1/N of every row over the N attention-TP ranks,
-    which replay the same batch from the same replicated residual stream. Whole rows where the hidden size does not
-    split evenly, and for MLA models with a HiCache storage backend: SGLang keys an MLA model's pages without the TP
-    rank (its latent KV is replicated), so the ranks' parts would overwrite each other's."""
+    which replay the same batch from the same replicated residual stream. Whole rows where the user asks for them
+    (`--tail-replay-store-tp replicate`), where the hidden size does not split evenly, and for MLA models with a
+    HiCache storage backend: SGLang keys an MLA model's pages without the TP rank (its latent KV is replicated), so
+    the ranks' parts would overwrite each other's."""
     from sglang.srt.runtime_context import get_memory, get_parallel
 
     try:
@@ -66,7 +67,8 @@ def store_shard(model_config, hidden_size: int) -> Shard:
     except (ValueError, RuntimeError):  # no parallel context published: outside a scheduler (tools, tests)
         return Shard()
     mla = getattr(getattr(model_config, "attention_arch", None), "name", "") == "MLA"
-    if world == 1 or hidden_size % world or (mla and get_memory().hicache_storage_backend):
+    if (world == 1 or hidden_size % world or runtime.config.store_tp == "replicate"
+            or (mla and get_memory().hicache_storage_backend)):
         return Shard()
     return Shard(parallel.attn_tp_rank, world, parallel.attn_tp_group)
 
@@ -97,7 +99,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier,
-                                store_shard(runner.model_config, layout.hidden_size))
+                                store_shard(runtime, runner.model_config, layout.hidden_size))
     runtime.kv_pool = runner.token_to_kv_pool
     runtime.family.install_capture(model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner)

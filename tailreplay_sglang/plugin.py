@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import sys
 
-from tailreplay_sglang.config import (ANCHOR_KEEP, H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, REPLAY_MODES,
+from tailreplay_sglang.config import (ANCHOR_KEEP, H2D_MODES, HIDDEN_DTYPES, HIDDEN_TIERS, REPLAY_MODES, STORE_TP,
                                       TailReplayConfig, TailReplayConfigError)
 from tailreplay_sglang.layout import HybridLayout
 
@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 _OPTION_DESTS = ("tail_replay_ratio", "tail_replay_min_tokens", "tail_replay_max_tokens",
                  "tail_replay_hidden_dtype", "tail_replay_mode", "tail_replay_hidden_tier", "tail_replay_h2d",
                  "tail_replay_anchor_interval", "tail_replay_exact_budget",
-                 "tail_replay_host_anchors", "tail_replay_fold_tokens", "tail_replay_anchor_keep")
+                 "tail_replay_host_anchors", "tail_replay_fold_tokens", "tail_replay_anchor_keep",
+                 "tail_replay_store_tp")
 # The same flags as keywords of sglang.Engine / sgl.Runtime (python_api.py)
 KEYWORDS = ("enable_tail_replay", *_OPTION_DESTS)
 
@@ -57,6 +58,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tail-replay-anchor-keep", choices=ANCHOR_KEEP, default=None,
                        help="which anchor the device mamba pool evicts first: the least recently used one that is "
                             "neither a branch point nor a path's end (ends, default), or the least recently used (lru)")
+    group.add_argument("--tail-replay-store-tp", choices=STORE_TP, default=None,
+                       help="under attention TP, each rank keeps 1/N of every stored hidden row (shard, default: "
+                            "one all-gather per group at a replay) or whole rows (replicate: N times the memory)")
     group.add_argument("--tail-replay-host-anchors", type=int, default=None,
                        help="keep up to N anchors the device mamba pool evicts in host memory (pinned on CUDA); a hit "
                             "whose nearest anchor is there copies it back and replays exactly from it (default 0: off)")

@@ -224,14 +224,14 @@ MUTANTS = (
             "stream",)),
     Mutant("lfm2-window-short", "LFM2's replay window one token short of (K - 1) x the largest group's conv layers",
            "tailreplay_sglang/families/short_conv.py",
-           "    return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)",
-           "    return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups) - 1",
+           "        return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)",
+           "        return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups) - 1",
            ("tests/test_lfm2.py::test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache",),
            server=True),
     Mutant("lfm2-stored-input", "LFM2's stored group input read from `residual` (SGLang's split-residual convention, "
            "which LFM2's layers do not follow: there it is the previous layer's input)", "tailreplay_sglang/capture.py",
-           '        store.write_hidden(first_layer, forward_batch.out_cache_loc, kwargs["hidden_states"][:n])',
-           '        store.write_hidden(first_layer, forward_batch.out_cache_loc, kwargs["residual"][:n])',
+           '        write_rows(store, first_layer, kwargs["forward_batch"], kwargs["hidden_states"])',
+           '        write_rows(store, first_layer, kwargs["forward_batch"], kwargs["residual"])',
            ("tests/test_lfm2.py::test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache",),
            server=True),
     Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL) re-embeds the ids of an "
@@ -302,10 +302,8 @@ MUTANTS = (
            ("tests/test_layout.py::test_ling_groups_from_its_layer_group_size",)),
     Mutant("ling-stored-input", "a stage-boundary model's stored group input is its neighbour token's row (an "
            "off-by-one in the rows captured at the group's first layer)", "tailreplay_sglang/capture.py",
-           "                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, "
-           "stream.residual[:n])",
-           "                self.store.write_hidden(self.first_layer, forward_batch.out_cache_loc, "
-           "stream.residual[:n].roll(1, 0))",
+           "        rows = None if self.first_layer is None else forward_batch.residual_stream.residual\n",
+           "        rows = None if self.first_layer is None else forward_batch.residual_stream.residual.roll(1, 0)\n",
            ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
             "[tiny-ling-3.0-560-512]",), server=True),
     # Ling-2.5 (issue 67): what a lightning replay and its anchors need

@@ -51,6 +51,8 @@ def test_env_round_trip(monkeypatch):
     ({"host_anchors": 1.5}, "--tail-replay-host-anchors"),
     ({"fold_tokens": -1}, "--tail-replay-fold-tokens"),
     ({"anchor_keep": "mru"}, "--tail-replay-anchor-keep"),
+    ({"store_tp": "split"}, "--tail-replay-store-tp"),
+    ({"store_tp": 2}, "--tail-replay-store-tp"),
 ])
 def test_invalid_anchor_values_name_the_flag(kwargs, flag):
     with pytest.raises(TailReplayConfigError, match=flag):

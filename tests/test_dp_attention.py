@@ -28,7 +28,7 @@ from helpers import (EXACT_FLAGS, FaultEvents, Spec, assert_exact, dumped_states
 import requests
 
 from soak import POOLS_KEY, pool_leaks, wait_idle
-from tailreplay_eval.reference import greedy_generate, recurrent_states
+from tailreplay_eval.reference import greedy_generate, layer_states
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
@@ -169,7 +169,7 @@ def test_rebuilt_states_equal_hfs(server, request, dumps):
     model = request.getfixturevalue(HF_OF[server.name])[0]
     base, cut = random_ids(300, seed=70), 150
     fork = base[:cut] + random_ids(12, seed=71)
-    expected = recurrent_states(model, base[:cut])
+    expected = layer_states(model, base[:cut])["temporal"]
     for rank in (0, 1):
         flush_cache(server.base_url)
         on(server, rank, base, 1)

@@ -5,6 +5,9 @@ runs once per family (a module-scoped parametrized fixture):
 - `tiny-nemotron-h` (pattern M-M*-MEM*M-, config.json spelled as NVIDIA ships Nemotron-H): group 0 replays an MLP
   stage between two Mamba2 layers, group 1 starts with an MLP stage and replays a MoE stage (Nemotron-3's: sigmoid
   router with a score-correction bias, routed scale 2.5, a shared expert) between its Mamba2 layers;
+- `tiny-nemotron-h-puzzle` (`NemotronHPuzzleForCausalLM`, pattern M-ME*-EM*ME): three MoE stages, each with its own
+  expert width and top-k (`block_configs`); transformers has no Puzzle, so its reference is transformers' Nemotron-H
+  with each such layer's MoE rebuilt from its own config (`tailreplay_eval.nemotron_puzzle`);
 - `tiny-granite-4.0-h` (layer_types mamba / attention as IBM ships Granite-4.0-H): each layer a mixer and a MoE +
   shared MLP, with Granite 4's embedding, residual, attention and logits multipliers;
 - `tiny-kimi-linear` (KDA and NoPE MLA layers, linear_attn_config as Moonshot ships Kimi Linear): a dense first
@@ -50,7 +53,8 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
              "--enable-cache-report", "--dtype", "float32")
 
 
-FAMILIES = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0", "tiny-ling-2.5")
+FAMILIES = ("tiny-nemotron-h", "tiny-nemotron-h-puzzle", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0",
+            "tiny-ling-2.5")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -312,3 +316,23 @@ def test_ling25_reference_checks_what_lightning_attention_does(model_path, serve
     assert error() > LOGPROB_TOL, "layerwise decay"
     for mixer, slope in zip(mixers, slopes):
         mixer.slope = slope
+
+
+def test_puzzle_reference_checks_each_layers_own_block(model_path, servers, hf):
+    """Nemotron-H Puzzle only (transformers has no Puzzle class): the reference misses the served log-probs by more
+    than LOGPROB_TOL once any MoE layer routes with the base config's top-k instead of its own block's, so the
+    matches above check that SGLang built every layer from its own block (its sizes alone could not load otherwise)."""
+    if model_path.name != "tiny-nemotron-h-puzzle":
+        pytest.skip("Nemotron-H Puzzle's reference only")
+    model, _ = hf
+    error = reference_error(servers["anchored"], model)
+    assert error() < LOGPROB_TOL
+    for layer in model.model.layers:
+        gate = getattr(layer.mixer, "gate", None)
+        if gate is None or gate.top_k == model.config.num_experts_per_tok:
+            continue
+        own, gate.top_k = gate.top_k, model.config.num_experts_per_tok
+        try:
+            assert error() > LOGPROB_TOL, f"top-k {own} taken as {gate.top_k}"
+        finally:
+            gate.top_k = own

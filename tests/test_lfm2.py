@@ -26,7 +26,7 @@ from helpers import (MODELS_DIR, Spec, assert_exact, dumped_states, faults_env, 
                      start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.models import build_model
-from tailreplay_eval.reference import conv_states, greedy_generate, load_hf_model, prompt_logprobs
+from tailreplay_eval.reference import greedy_generate, layer_states, load_hf_model, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
@@ -100,7 +100,7 @@ def test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache(ser
     meta = hit["meta"]
     assert meta["cached_tokens"] == cut and meta["tail_replay_exact"] is True, meta
     assert meta["tail_replay_tokens"] == min(WINDOW, cut) and meta["tail_replay_anchor"] is None, meta
-    rebuilt, expected = dumped_states(dumps, rid)["conv"], conv_states(model, base[:cut], 3)
+    rebuilt, expected = dumped_states(dumps, rid)["conv"], layer_states(model, base[:cut])["conv"]
     assert rebuilt.keys() == expected.keys() == {0, 1, 3, 4, 5, 7}
     errors = {layer: float((rebuilt[layer] - state).abs().max() / state.abs().max()) for layer, state in
               expected.items()}

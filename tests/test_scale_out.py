@@ -27,10 +27,13 @@ SYSTEM = ("you are a careful assistant. the old sailor carried the wooden boxes 
 
 @pytest.fixture(scope="module")
 def tp_servers(tiny_qwen35, tiny_qwen35_moe, tmp_path_factory):
-    """TP 2 replaying whole prefixes, dense and MoE, started together."""
+    """TP 2 replaying whole prefixes, dense and MoE, started together: the dense one over the sharded store (the
+    default), the MoE one with whole rows on each rank (`--tail-replay-store-tp replicate`), so the hits below run
+    over both layouts."""
     yield from start_servers(tmp_path_factory, {
         "tp": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
-        "tp_moe": Spec(tiny_qwen35_moe, (*EXACT_FLAGS, "--tp-size", "2"), env=TWO_RANKS),
+        "tp_moe": Spec(tiny_qwen35_moe, (*EXACT_FLAGS, "--tp-size", "2", "--tail-replay-store-tp", "replicate"),
+                       env=TWO_RANKS),
     })
 
 
@@ -87,6 +90,22 @@ def test_tp2_ranks_each_store_half_of_every_row(tp_servers, tiny_qwen35):
     log = server.log_path.read_text()
     for rank, columns in ((0, "0:32"), (1, "32:64")):
         assert f"columns {columns} of 64 on attention-TP rank {rank} of 2" in log
+
+
+def test_tp2_replicated_store_keeps_whole_rows_on_each_rank(tp_servers, tiny_qwen35_moe):
+    """`--tail-replay-store-tp replicate` (the MoE server, whose hits above are exact against HF): each rank keeps
+    whole rows, TP 1's bytes per token, and its KV cell is charged for them."""
+    import torch
+
+    from tailreplay_sglang.layout import HybridLayout
+    from tailreplay_sglang.store.hidden_store import bytes_per_token
+
+    server = tp_servers["tp_moe"]
+    pools = wait_idle(server.base_url)
+    assert pools["hidden_store_shard"] == [0, 1]
+    assert pools["hidden_store_bytes_per_token"] == bytes_per_token(
+        HybridLayout.from_model_path(str(tiny_qwen35_moe)), torch.float32)
+    assert "each row split over 1 attention-TP ranks" in server.log_path.read_text()
 
 
 @pytest.fixture(scope="module")

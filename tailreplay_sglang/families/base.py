@@ -2,7 +2,7 @@
 the families share."""
 
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class ReplayBatch:
     tail_starts: list[int] | None = None  # each tail's first position in its sequence (families whose mixer rotates)
     # [n + 1] cu_seqlens on the host, for kernels that would otherwise read them back (fla's chunk kernel: review H)
     cu_seqlens_cpu: torch.Tensor | None = None
+    # What a family builds once per pass and every group reuses, under the family's name (short_conv: its kernel)
+    pass_state: dict = field(default_factory=dict)
 
     def tail_of_each_token(self, device) -> torch.Tensor:
         """[sum k] the tail index of every replayed token, on `device`: built on the host from `tail_lens` once per

@@ -16,6 +16,7 @@ over TP inside.
 """
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -31,30 +32,29 @@ def conv_kernel_module(layer):
     return sys.modules[type(layer.conv).__module__]
 
 
-def state_window(layout) -> int:
-    """Tokens a zero-init replay needs for every group's state to be exact: (K - 1) x the most conv layers in a
-    group."""
-    return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)
-
-
 class ShortConvFamily(Family):
     name = "short_conv"
 
     def state_window(self, layout) -> int | None:
-        return state_window(layout)
+        """Tokens a zero-init replay needs for every group's state to be exact: (K - 1) x the most conv layers in a
+        group."""
+        return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)
 
     def install_capture(self, layers, store) -> list:
         return capture.at_layer_keyword_inputs(layers, store)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         """The group's conv layers in order; the last one computes only its state."""
-        conv_fn = getattr(conv_kernel_module(model.layers[group.recurrent_layers[0]]), _CONV_KERNEL)
-        no_initial_state = torch.zeros(len(batch.tail_lens), dtype=torch.bool, device=x.device)
-        cu = batch.cu_seqlens.to(torch.int32)
+        kernel = batch.pass_state.get(self.name)
+        if kernel is None:  # the same for every group of the pass: built once
+            kernel = batch.pass_state[self.name] = ConvKernel(
+                getattr(conv_kernel_module(model.layers[group.recurrent_layers[0]]), _CONV_KERNEL),
+                batch.cu_seqlens.to(torch.int32),
+                torch.zeros(len(batch.tail_lens), dtype=torch.bool, device=x.device))
         for layer_id in group.recurrent_layers:
             last = layer_id == group.recurrent_layers[-1]
             conv_state = pool.mamba2_layer_cache(layer_id).conv[0]
-            x = replay_layer(model.layers[layer_id], conv_fn, conv_state, x, batch, cu, no_initial_state, last)
+            x = replay_layer(model.layers[layer_id], kernel, conv_state, x, batch, last)
 
     def required(self, model, layout) -> list:
         layers = [i for g in layout.groups for i in g.recurrent_layers]
@@ -65,16 +65,24 @@ class ShortConvFamily(Family):
         return needs
 
 
-def replay_layer(layer, conv_fn, conv_state, x: torch.Tensor, batch: ReplayBatch, cu, no_initial_state,
-                 state_only: bool):
+class ConvKernel(NamedTuple):
+    """The conv kernel of a replay pass and the arguments every group passes it alike."""
+
+    fn: object  # causal_conv1d_fn as the model module binds it
+    query_start_loc: torch.Tensor  # [n + 1] int32 cu_seqlens
+    has_initial_state: torch.Tensor  # [n] all False: every tail starts from a cleared slot
+
+
+def replay_layer(layer, kernel: ConvKernel, conv_state, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
     """One LFM2 conv layer over the packed tails from a zero state; its conv state lands in the requests' slots.
     Returns the next residual-stream value, or None when only the state was needed."""
     conv = layer.conv
     proj, _ = conv.in_proj(layer.operator_norm(x))
     gate_b, gate_c, value = proj.chunk(3, dim=-1)
-    out = conv_fn((gate_b * value).transpose(0, 1).contiguous(), conv.conv_weight, conv.conv_bias,
-                  query_start_loc=cu, cache_indices=batch.mamba_slots, has_initial_state=no_initial_state,
-                  conv_states=conv_state, activation=None).transpose(0, 1)
+    out = kernel.fn((gate_b * value).transpose(0, 1).contiguous(), conv.conv_weight, conv.conv_bias,
+                    query_start_loc=kernel.query_start_loc, cache_indices=batch.mamba_slots,
+                    has_initial_state=kernel.has_initial_state, conv_states=conv_state,
+                    activation=None).transpose(0, 1)
     if state_only:
         return None
     mixed, _ = conv.out_proj(gate_c * out)  # RowParallelLinear: reduced over TP inside
