@@ -278,7 +278,7 @@ def arm_flags(args, run) -> tuple[dict[str, tuple], dict[str, int]]:
     at TP > 1)."""
     if args.tp > 1:
         dtype = serving_dtype_name(run.model_path, run.server_args)
-        per_rank = account_per_rank(run.model_path, args.tp, hidden_dtype=dtype)
+        per_rank = account_per_rank(run.model_path, args.tp, hidden_dtype=dtype, flags=run.server_args)
         arms = {label: arm for label, arm in TP_ARMS.items() if label in (args.arms or TP_ARMS)}
         flags = {label: (*SERVER_FLAGS, *arm, "--tp-size", str(args.tp)) for label, arm in arms.items()}
         tokens = {label: int(args.budget_mib * 2**20 // per_rank[TP_BYTES[label]]["device_bytes_per_token"])

@@ -732,12 +732,12 @@ def _placed(stock: int, store: int, tier: str) -> dict:
 
 
 def account_per_rank(model, tp: int, tier: str = "device", hidden_dtype: str = "bfloat16",
-                     hicache_storage: bool = False) -> dict:
-    """Memory per cached token on one of `tp` attention-TP ranks, `--dtype auto`, the store on `tier` in
-    `hidden_dtype`: stock (KV + indexer on the device), Tail-Replay with the store sharded over the ranks (as
-    served) and replicated (every rank whole rows, as before), and one mamba slot on the rank."""
+                     hicache_storage: bool = False, flags: list[str] | tuple = ("--dtype", "auto")) -> dict:
+    """Memory per cached token on one of `tp` attention-TP ranks of a server with `flags` (its `--dtype` sets the
+    KV's), the store on `tier` in `hidden_dtype`: stock (KV + indexer on the device), Tail-Replay with the store
+    sharded over the ranks (as served) and replicated (every rank whole rows), and one mamba slot on the rank."""
     name, config, source = resolve_model(model)
-    flags = ["--dtype", "auto"]
+    flags = list(flags)
     n_fa, n_gdn, stored = _layer_counts(config)
     kv = n_fa * kv_values_per_layer(config, tp) * kv_dtype(config, flags).itemsize
     indexer = indexer_bytes_per_token(config, n_fa)
