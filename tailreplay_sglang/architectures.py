@@ -22,7 +22,7 @@ SERVED = {
     "Qwen3NextForCausalLM": (GDN, "Qwen3-Next"),
     "OlmoHybridForCausalLM": (GDN, "OLMo-Hybrid (SGLang model from this package)"),
     "NemotronHForCausalLM": (MAMBA2, "Nemotron-H"),
-    "NemotronHPuzzleForCausalLM": (MAMBA2, "Nemotron-H Puzzle (per-layer MoE and attention sizes)"),
+    "NemotronHPuzzleForCausalLM": (MAMBA2, "Nemotron-H Puzzle (per-layer MoE sizes)"),
     "GraniteMoeHybridForCausalLM": (MAMBA2, "Granite-4.0-H"),
     "KimiLinearForCausalLM": (KDA, "Kimi Linear"),
     "BailingMoeV3ForCausalLM": (KDA, "Ling-3.0 (Bailing KDA + gated MLA)"),
