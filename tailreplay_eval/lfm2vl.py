@@ -9,7 +9,6 @@ SGLang's processor calls too: an image of up to 512 x 512 px is one tile of (sid
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -51,17 +50,11 @@ def liquid_names(weights: Path) -> None:
     save_file(renamed, weights, metadata={"format": "pt"})
 
 
-def save_processor(tokenizer: Tokenizer, out_dir: Path) -> None:
-    """transformers' Lfm2VlProcessor at its defaults (512-px tiles, 64 to 256 rows per tile, thumbnails). It writes
-    tokenizer files of its own: `models.save_tokenizer` runs after it, then `mark_tokens` puts the markers back."""
+def save_processor(model_type: str, tokenizer: Tokenizer, out_dir: Path) -> None:
+    """transformers' Lfm2VlProcessor at its defaults (512-px tiles, 64 to 256 rows per tile, thumbnails), whatever
+    `model_type` (the vision builders' common signature). It writes tokenizer files of its own:
+    `models.save_tokenizer` runs after it, then the build puts MARKERS back (`models.mark_tokens`)."""
     from transformers import Lfm2VlImageProcessor, Lfm2VlProcessor, PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, extra_special_tokens=MARKERS)
     Lfm2VlProcessor(image_processor=Lfm2VlImageProcessor(), tokenizer=fast).save_pretrained(out_dir)
-
-
-def mark_tokens(out_dir: Path) -> None:
-    """The processor finds its markers as tokenizer attributes, which transformers reads from tokenizer_config.json's
-    `extra_special_tokens`."""
-    path = out_dir / "tokenizer_config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), extra_special_tokens=MARKERS), indent=2) + "\n")

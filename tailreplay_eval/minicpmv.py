@@ -13,7 +13,6 @@ it; its config names the marker ids the positions are computed from.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -55,7 +54,8 @@ def minicpmv_config(model_type: str, text: PretrainedConfig, vision, tokenizer: 
 def save_processor(model_type: str, tokenizer: Tokenizer, out_dir: Path) -> None:
     """transformers' MiniCPMV4_6Processor or MiniCPMV4_7Processor (4.6's image and video processors) at their
     defaults (448 px, up to 9 slices, 16x downsampling). It writes tokenizer files of its own: `models.save_tokenizer`
-    runs after it, then `mark_tokens` puts the markers back."""
+    runs after it, then the build puts MARKERS back
+    (`models.mark_tokens`)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.models.minicpmv4_6 import MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
@@ -65,10 +65,3 @@ def save_processor(model_type: str, tokenizer: Tokenizer, out_dir: Path) -> None
     processor = MiniCPMV4_7Processor if model_type == "minicpmv4_7" else MiniCPMV4_6Processor
     processor(image_processor=MiniCPMV4_6ImageProcessor(), video_processor=MiniCPMV4_6VideoProcessor(),
               tokenizer=fast).save_pretrained(out_dir)
-
-
-def mark_tokens(out_dir: Path) -> None:
-    """The processor finds its markers as tokenizer attributes (`tokenizer.image_token`), which transformers reads
-    from tokenizer_config.json's `extra_special_tokens`."""
-    path = out_dir / "tokenizer_config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), extra_special_tokens=MARKERS), indent=2) + "\n")

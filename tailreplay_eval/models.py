@@ -407,6 +407,13 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int,
 # --- model -------------------------------------------------------------------------------------------------------
 
 
+def mark_tokens(out_dir: Path, markers: dict[str, str]) -> None:
+    """A vision wrapper's processor finds its marker tokens as tokenizer attributes (`tokenizer.image_token`), which
+    transformers reads from tokenizer_config.json's `extra_special_tokens`; `save_tokenizer` writes none."""
+    path = out_dir / "tokenizer_config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), extra_special_tokens=markers), indent=2) + "\n")
+
+
 def layer_types(num_hidden_layers: int) -> list[str]:
     return [
         "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
@@ -797,16 +804,14 @@ def _holds_build(out_dir: Path, record: dict) -> bool:
 def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     tokenizer = preset_tokenizer(preset)
     wrapper = VISION_WRAPPERS.get(preset.model_type)
-    if wrapper is minicpmv:
-        minicpmv.save_processor(preset.model_type, tokenizer, staging)
-    elif wrapper:
-        wrapper.save_processor(tokenizer, staging)
+    if wrapper:
+        wrapper.save_processor(preset.model_type, tokenizer, staging)
     elif preset.vision is not None:
         save_processor(preset, tokenizer, staging)
     template = VL_CHAT_TEMPLATE if preset.vision is not None and not wrapper else CHAT_TEMPLATE
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # after (over) the processor's
     if wrapper:
-        wrapper.mark_tokens(staging)
+        mark_tokens(staging, wrapper.MARKERS)
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     if preset.puzzle:
         nemotron_puzzle.with_block_configs(model, nemotron_puzzle.block_configs(preset.mamba2.pattern))
