@@ -4,7 +4,7 @@ where each formula comes from is that module's docstring (below, in --help).
     python bench/memory.py [--preset small | --model-path M] [--server-args "--dtype float32 --enable-tail-replay"]
     python bench/memory.py --all      # one table: the presets and the real models (memory.ALL_MODELS)
     python bench/memory.py --all --json runs/memory.json
-    python bench/memory.py --per-rank # per attention-TP rank at TP 1/2/4/8, device and host tier, bf16 and float8
+    python bench/memory.py --per-rank # per attention-TP rank at TP 1/2/4/8, device and host tier, bf16, float8, int4
                                       # store, sharded and replicated (memory.PER_RANK_MODELS); JSON in runs/
 """
 

@@ -3,7 +3,8 @@
 1. `kernels`: natively on CUDA, no SGLang needed: tests/test_kernels.py (the Triton replay kernels against float64
    references, in float32 and bfloat16, and fla's chunk kernel on the replay's path), and the CUDA paths of the
    hidden store's tiers and transfers (tests/test_hidden_tier.py), of the host anchors' copies
-   (tests/test_host_anchor_copies.py), and SGLang's lightning kernel `seg_la` against the torch scan where its file is
+   (tests/test_host_anchor_copies.py), the host tier's staging under a real CUDA graph (tests/test_graph_staging.py),
+   and SGLang's lightning kernel `seg_la` against the torch scan where its file is
    carried (tests/test_kernels.py); the counts come from its junit report.
 2. `kernel_bench`: bench/kernel_bench.py on CUDA: the replay kernel (and the dispatched replay) against fla's chunk
    kernel, by tails and tokens (the GPU note's table).
@@ -42,7 +43,8 @@ from tailreplay_eval.server import ServerProcess, flush_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("kernels", "kernel_bench", "serving", "ttft")
-CUDA_TESTS = ("tests/test_kernels.py", "tests/test_hidden_tier.py", "tests/test_host_anchor_copies.py")
+CUDA_TESTS = ("tests/test_kernels.py", "tests/test_hidden_tier.py", "tests/test_host_anchor_copies.py",
+              "tests/test_graph_staging.py")
 TTFT_LENGTHS = (16384, 32768, 65536, 131072)
 
 

@@ -697,14 +697,15 @@ PER_RANK_MODELS = ("Qwen3.5-4B", "Qwen3.6-27B", "Nemotron-H-8B", "Granite-4.0-H-
                    *FRONTIER)
 TP_SIZES = (1, 2, 4, 8)
 PER_RANK_TIERS = ("device", "host")
-PER_RANK_HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
+PER_RANK_HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn", "int4")
 PER_RANK_NOTE = (
     "Per cached token on ONE attention-TP rank, served at --dtype auto (bfloat16 KV), computed from the shapes "
     "(not measured). KV: K and V of max(1, kv_heads // TP) heads (SGLang's get_num_kv_heads: replicated where "
     "there are fewer heads than ranks); an MLA latent and the sparse-attention indexer caches (QSA, DSA) whole on "
     "every rank. Slot: one mamba slot (= one anchor) on the rank, conv and SSM states split over TP as SGLang's "
     "Mamba2StateShape / KimiLinearStateShape do. Store, sharded: each rank keeps hidden/TP columns of every stored "
-    "row (+ 8 B token id; float8: + 8 B scale slot per row), whole rows where the hidden size does not split and "
+    "row (+ 8 B token id; float8: + 8 B scale slot per row; int4: half a byte per value + 2 B per 32 values, in "
+    "whole 8-byte words), whole rows where the hidden size does not split and "
     "for MLA models with a HiCache storage backend (= the replicated column). Store, replicated: whole rows on "
     "every rank, as before sharding. Host tier: the store in host memory, the device holds the KV (+ indexer) "
     "alone. fit = tokens a rank's pool holds at equal device memory, as a share of stock's. Projection: a model "

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 ENV_VAR = "TAILREPLAY_CONFIG"
 REPLAY_MODES = ("ratio", "full", "zero")
-HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn")  # float8: a float32 scale per token (hidden_codec)
+# How stored rows are encoded (store/codec.py): float8 with a scale per token, int4 with a scale per 32 values
+HIDDEN_DTYPES = ("auto", "bfloat16", "float32", "float8_e4m3fn", "int4")
 GDN_CHUNK = 64  # the chunk of fla's delta-rule prefill kernels and ops/gdn: interval anchors lie on its grid
 HIDDEN_TIERS = ("device", "host")
 H2D_MODES = ("ser", "ovl")

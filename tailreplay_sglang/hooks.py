@@ -120,6 +120,13 @@ RUNTIME = (
     Hook(f"{_RUNNER}.alloc_memory_pool", "after", f"{_PKG}.lifecycle:create_store",
          "the KV pool's size is known (the store shares its index space) and the model is loaded (capture needs its "
          "layers); before CUDA graphs are captured", bound=True),
+    Hook(f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute", "around",
+         f"{_PKG}.lifecycle:flush_after_graph",
+         "right after a decode (or verify) graph replays, outside it: the host tier's staged rows go to its "
+         "write-back before the next forward writes (no Python runs inside a replayed graph)", bound=True),
+    Hook(f"{_SRT}.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.execute", "around",
+         f"{_PKG}.lifecycle:flush_after_graph",
+         "the same after a prefill graph replays", bound=True),
     Hook(f"{_SRT}.mem_cache.memory_pool.HybridLinearKVPool.move_kv_cache", "after",
          f"{_PKG}.lifecycle:move_hidden_rows",
          "speculative decoding with a draft tree moves the accepted tokens' KV to other slots: their hidden rows "

@@ -99,7 +99,8 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier,
-                                store_shard(runtime, runner.model_config, layout.hidden_size))
+                                store_shard(runtime, runner.model_config, layout.hidden_size),
+                                staging_rows=graph_staging_rows(runner) if tier == "host" else 0)
     runtime.kv_pool = runner.token_to_kv_pool
     runtime.family.install_capture(model.layers, runtime.store)
     _log_anchor_bytes(runtime, runner)
@@ -112,6 +113,42 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     if get_observability().enable_metrics:
         runtime.metrics = visibility.ReplayMetrics()
     return result
+
+
+def graph_staging_rows(runner) -> int:
+    """The host tier's staging rows on this runner (`store/staging.py`): 0 off CUDA, where nothing is captured."""
+    if not str(runner.device).startswith("cuda"):
+        return 0
+    from sglang.srt.runtime_context import get_exec
+
+    return staging_rows_for(get_exec().graph.cuda_graph_config, runner.decode_num_tokens_per_req())
+
+
+def staging_rows_for(graph_config, decode_tokens_per_req: int) -> int:
+    """The most rows one replayed CUDA graph writes: a decode graph's largest batch times its tokens per request (a
+    verify's draft tokens), or a prefill graph's largest token bucket; 0 with every phase eager. A graph that
+    captures more fails its capture, at start-up."""
+    rows = 0
+    for phase, per_row in (("decode", decode_tokens_per_req), ("prefill", 1)):  # prefill buckets count tokens
+        graph = getattr(graph_config, phase)
+        if getattr(graph.backend, "value", graph.backend) == "disabled":
+            continue
+        largest = max(graph.bs) if graph.bs else graph.max_bs
+        if not largest:  # the scheduler's config has its buckets; a launcher-side one may not yet
+            raise ValueError(f"the {phase} CUDA graph config has no batch sizes to size the host tier's staging by")
+        rows = max(rows, largest * per_row)
+    return rows
+
+
+def flush_after_graph(runtime: TailReplayRuntime, original, graph_runner, forward_batch, *args, **kwargs):
+    """After a replayed CUDA graph, outside it: what its capture points staged goes to the host tier's write-back,
+    before the next forward writes (`HiddenStore.flush_staging`). Draft models capture nothing."""
+    output = original(graph_runner, forward_batch, *args, **kwargs)
+    store, loc = runtime.store, getattr(forward_batch, "out_cache_loc", None)
+    staged = store is not None and store.staging is not None and loc is not None
+    if staged and not graph_runner.model_runner.is_draft_worker:
+        store.flush_staging(loc.shape[0])
+    return output
 
 
 def move_hidden_rows(runtime: TailReplayRuntime, result, pool, tgt_loc, src_loc, *args, **kwargs):
@@ -241,7 +278,6 @@ def build_tree_cache(runtime: TailReplayRuntime, ctx):
                                           envs.SGLANG_OPT_MASK_DP_PAD_MOE.get())
 
     on_cuda = str(ctx.tp_worker.model_runner.device).startswith("cuda")
-    supported.check_host_tier_graphs(runtime.config.hidden_tier, get_exec().graph.cuda_graph_config, on_cuda=on_cuda)
     if runtime.interval_anchors is not None:
         supported.check_anchor_graphs(runtime.family, get_exec().graph.cuda_graph_config, on_cuda=on_cuda)
         supported.check_anchor_prefill(runtime.family, getattr(ctx.tp_worker.model_runner, "linear_attn_backends",

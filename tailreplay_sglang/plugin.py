@@ -157,18 +157,12 @@ def _check_combination(args: argparse.Namespace) -> None:
 
 
 def _hidden_tier(cfg: TailReplayConfig, args: argparse.Namespace) -> str:
-    """The tier, chosen for the device where not given. The host tier's write-back runs on the host between
-    kernels, which a captured CUDA graph cannot contain, so on a GPU it needs --disable-cuda-graph for now."""
-    device = getattr(args, "device", None) or ("cuda" if _cuda_available() else "cpu")
-    off = getattr(args, "disable_cuda_graph", False) or (getattr(args, "disable_decode_cuda_graph", False)
-                                                         and getattr(args, "disable_prefill_cuda_graph", False))
-    graphs = device == "cuda" and not off  # the scheduler checks SGLang's resolved config (check_host_tier_graphs)
-    if cfg.hidden_tier == "host" and graphs:
-        raise TailReplayConfigError("--tail-replay-hidden-tier host needs --disable-cuda-graph for now "
-                                    "(its write-back cannot be captured in a CUDA graph)")
+    """The tier, chosen for the device where not given: on a GPU the host tier, which costs the device no memory
+    (under CUDA graphs through its staging area, `store/staging.py`); on a CPU host and device are one memory."""
     if cfg.hidden_tier is not None:
         return cfg.hidden_tier
-    return "host" if device == "cuda" and not graphs else "device"
+    device = getattr(args, "device", None) or ("cuda" if _cuda_available() else "cpu")
+    return "host" if device == "cuda" else "device"
 
 
 def _cuda_available() -> bool:

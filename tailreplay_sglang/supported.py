@@ -1,6 +1,6 @@
 """What of SGLang Tail-Replay supports, checked at start-up so that anything else fails closed.
 
-Nine checks, each raising with a message that names what to change:
+Eight checks, each raising with a message that names what to change:
 - `check_version` (launcher): the SGLang release the hooks were written against (`hooks.py` patches private methods);
 - `check_resolved` (scheduler, before the radix cache is built): SGLang's configuration *after* its own
   post-processing (`auto` strategies resolved, deprecated spellings mapped), against the values Tail-Replay is built
@@ -12,7 +12,6 @@ Nine checks, each raising with a message that names what to change:
 - `check_dp_attention_family` (scheduler, same point): attention DP only on the families whose replay is wired for it;
 - `check_dp_attention_exchange` (scheduler, same point): under attention DP, what the replay's row exchange needs
   (every rank runs a forward each step and agrees whether it extends; the MoE takes the gathered rows as they are);
-- `check_host_tier_graphs` (scheduler, same point): the host hidden tier runs with every CUDA graph phase off;
 - `check_anchor_graphs` (scheduler, same point): no prefill graph captures the extend interval anchors are written in;
 - `hooks.verify_applied` (scheduler, same point): every hook of the runtime took effect. SGLang only logs a hook that
   fails to apply, and a server missing one would serve hits without a replay.
@@ -204,22 +203,6 @@ def check_anchor_prefill(family, backends) -> None:
             f"--linear-attn-prefill-backend (resolved {resolved!r}; supported: {' or '.join(map(repr, readable))}): "
             f"Tail-Replay's {family.name} interval anchors are read from that kernel's per-chunk states; set it, or "
             f"--tail-replay-anchor-interval 0")
-
-
-def check_host_tier_graphs(hidden_tier: str | None, graph_config, on_cuda: bool) -> None:
-    """The host hidden tier's write-back (events, a side stream, `query()`) cannot run inside a captured CUDA graph,
-    so with it every phase runs eagerly. Read from SGLang's resolved graph config (`get_exec().graph`), in which the
-    per-phase flags and JSON override the legacy --disable-cuda-graph the launcher's check sees."""
-    if hidden_tier != "host" or not on_cuda or graph_config is None:
-        return
-    backends = {phase: getattr(getattr(graph_config, phase).backend, "value", getattr(graph_config, phase).backend)
-                for phase in ("decode", "prefill")}
-    captured = {phase: backend for phase, backend in backends.items() if backend != "disabled"}
-    if captured:
-        raise UnsupportedConfigError(
-            "--tail-replay-hidden-tier host needs CUDA graphs off in every phase (its write-back cannot be captured); "
-            "resolved: " + ", ".join(f"{phase} {backend}" for phase, backend in captured.items())
-            + ". Pass --disable-cuda-graph without --cuda-graph-backend-decode/-prefill, or use the device tier")
 
 
 def check_anchor_graphs(family, graph_config, on_cuda: bool) -> None:

@@ -328,6 +328,16 @@ MUTANTS = (
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)",
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id - 1]).to(x.device, non_blocking=True)",
            (LING25_FORK.format("560-512"),), server=True),
+    # Issue 63 item 2: the host tier's staging area under CUDA graphs (contract tests under the graph stand-in)
+    Mutant("staging-no-reset", "a flushed staging area keeps its slot ids, so a later replay that staged nothing "
+           "applies its rows again", "tailreplay_sglang/store/staging.py",
+           "            slots.fill_(EMPTY)\n", "", ("tests/test_graph_staging.py",)),
+    Mutant("staging-no-flush", "nothing moves the staged rows to the host after a replay",
+           STORE, "            self.staging.flush(n, self._tables(), self.write_back)\n", "            pass\n",
+           ("tests/test_graph_staging.py",)),
+    Mutant("staging-eager-in-capture", "a captured forward's rows go through the eager write-back",
+           STORE, "        elif self.staging is not None and self._capturing():\n",
+           "        elif self.staging is not None and False:\n", ("tests/test_graph_staging.py",)),
 )
 
 

@@ -605,8 +605,9 @@ def test_memory_per_rank_shards_the_store_and_follows_sglangs_kv_and_state_shard
                 assert stock == row["fa_kv_bytes_per_token"] + row["indexer_bytes_per_token"]
                 assert row["indexer_bytes_per_token"] == tp_1["indexer_bytes_per_token"]  # QSA / DSA: whole
                 width = config["hidden_size"] // tp
-                assert row["sharded"]["store_bytes_per_token"] == row["stored_rows"] * (
-                    width * 2 if dtype == "bfloat16" else width + 8) + 8
+                row_bytes = {"bfloat16": width * 2, "float8_e4m3fn": width + 8,  # int4: codes, scales, 8-B words
+                             "int4": -(-(width // 2 + width // 16) // 8) * 8}[dtype]
+                assert row["sharded"]["store_bytes_per_token"] == row["stored_rows"] * row_bytes + 8
                 for store in ("sharded", "replicated"):
                     placed = row[store]
                     if tier == "host":
@@ -640,7 +641,7 @@ def test_memory_per_rank_table_and_json(tmp_path):
     rows = load_bench("memory").main(["--per-rank", "--tp", "1", "2", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
-    assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 2
+    assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 3  # TP 1, 2; 3 row dtypes
     assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T"}
     assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - FRONTIER_SERVED
     assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | FRONTIER_SERVED

@@ -107,11 +107,12 @@ def _store_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from tailreplay_sglang.store.hidden_store import HiddenStore, Shard
     from tailreplay_sglang.store.transfer import HostToDevice
 
-    layout = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=16)
-    values = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)) * 4  # the same on every rank
+    # 64 columns: a rank's 32 are one int4 scale group
+    layout = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=64)
+    values = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3)) * 4  # the same on every rank
     slots, tail = torch.arange(20, 30), torch.tensor([27, 21, 24])
     results = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int4):
         store = HiddenStore(layout, 64, dtype, "cpu", shard=Shard(rank, world, _Group(rank, world)))
         for row, group in enumerate(layout.stored_groups):
             store.write_hidden(group.first_layer, slots, values[row])
@@ -131,13 +132,15 @@ def test_a_sharded_store_keeps_half_of_each_row_per_rank_and_a_replay_gets_whole
     from tailreplay_sglang.store.codec import SCALE_SLOT
 
     got = [torch.load(tmp_path / f"store{rank}.pt") for rank in (0, 1)]
-    for dtype, part_bytes, tol in (("torch.float32", 8 * 4, 0), ("torch.bfloat16", 8 * 2, 0.05),
-                                   ("torch.float8_e4m3fn", 8 + SCALE_SLOT, 0.15)):  # half of 16 columns a rank
+    # half of 64 columns a rank; int4: 16 code bytes + one 2-byte scale, padded to 24; within half its step
+    for dtype, part_bytes, rtol, atol in (("torch.float32", 32 * 4, 0, 0), ("torch.bfloat16", 32 * 2, 0.05, 0.05),
+                                          ("torch.float8_e4m3fn", 32 + SCALE_SLOT, 0.15, 0.15),
+                                          ("torch.int4", 24, 0, 1.2)):
         for rank in (0, 1):
             result = got[rank]["results"][dtype]
             assert result["bytes"] == part_bytes, (dtype, result["bytes"])
             for row, decoded in enumerate(result["decoded"]):
-                torch.testing.assert_close(decoded, got[rank]["values"][row], rtol=tol, atol=tol)
+                torch.testing.assert_close(decoded, got[rank]["values"][row], rtol=rtol, atol=atol)
 
 
 def _source(obj) -> str:

@@ -67,8 +67,6 @@ REFUSED = [
      "--tail-replay-anchor-interval must be 0 (off) or a positive multiple of 64"),
     (["--enable-tail-replay", "--tail-replay-exact-budget", "-5"], "--tail-replay-exact-budget must be >= 0"),
     (["--tail-replay-exact-budget", "0"], "--tail-replay-exact-budget requires --enable-tail-replay"),
-    (["--enable-tail-replay", "--tail-replay-hidden-tier", "host", "--device", "cuda"],
-     "--tail-replay-hidden-tier host needs --disable-cuda-graph"),
     (["--enable-tail-replay", "--pp-size", "2"], "--enable-tail-replay supports --pp-size 1 only"),
     (["--enable-tail-replay", "--disaggregation-mode", "decode", "--tail-replay-anchor-interval", "1024"],
      "--tail-replay-anchor-interval has no effect on a PD decode server"),
@@ -76,8 +74,8 @@ REFUSED = [
      "--tail-replay-host-anchors is not tested on a PD prefill server"),
 ]
 REFUSED_IDS = ["ratio-out-of-range", "option-without-enable", "min-above-max", "disabled-radix-cache",
-               "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "host-tier-with-cuda-graphs",
-               "pipeline", "replay-flag-on-a-decode-server", "host-anchors-on-a-prefill-server"]
+               "anchor-interval-off-chunk", "negative-budget", "budget-without-enable", "pipeline",
+               "replay-flag-on-a-decode-server", "host-anchors-on-a-prefill-server"]
 
 
 def launcher_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import HOST_READS, count_tensor_calls
-from tailreplay_sglang.config import TailReplayConfig, TailReplayConfigError
+from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.store.hidden_store import TOKENS, HiddenStore
 from tailreplay_sglang.layout import FULL, LINEAR, HybridLayout
 from tailreplay_sglang.plugin import _hidden_tier
@@ -18,9 +18,16 @@ from tailreplay_sglang.store.transfer import DeviceToHostWriteBack, HostToDevice
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUT = HybridLayout(tuple(LINEAR if c == "G" else FULL for c in "GGGA" * 3), hidden_size=16)  # 2 stored groups
+# int4 rows scale groups of 32 values, so its stores need a hidden size of whole groups.
+INT4_LAYOUT = HybridLayout(LAYOUT.layer_types, hidden_size=64)
+ENCODINGS = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int4]
 
 
-def _forwards(num_slots: int, steps: int, seed: int):
+def _layout_for(dtype: torch.dtype) -> HybridLayout:
+    return INT4_LAYOUT if dtype == torch.int4 else LAYOUT
+
+
+def _forwards(num_slots: int, steps: int, seed: int, hidden_size: int = LAYOUT.hidden_size):
     """Random 'forwards': each writes token ids and both stored groups' hiddens to a batch of slots, with slots
     reused across forwards (a freed KV slot gets a new token), as the capture hooks do."""
     g = torch.Generator().manual_seed(seed)
@@ -28,12 +35,13 @@ def _forwards(num_slots: int, steps: int, seed: int):
         n = int(torch.randint(1, num_slots // 2, (1,), generator=g))
         slots = torch.randperm(num_slots - 1, generator=g)[:n] + 1  # slot 0 is SGLang's padding
         tokens = torch.randint(0, 1000, (n,), generator=g)
-        hiddens = {layer: torch.randn(n, LAYOUT.hidden_size, generator=g) for layer in (4, 8)}
+        hiddens = {layer: torch.randn(n, hidden_size, generator=g) for layer in (4, 8)}
         yield slots.to(DEVICE), tokens.to(DEVICE), {k: v.to(DEVICE) for k, v in hiddens.items()}
 
 
 def _fill(store: HiddenStore, seed: int) -> None:
-    for slots, tokens, hiddens in _forwards(store.token_ids.numel(), steps=12, seed=seed):
+    for slots, tokens, hiddens in _forwards(store.token_ids.numel(), steps=12, seed=seed,
+                                            hidden_size=store.layout.hidden_size):
         store.write_tokens(slots, tokens)
         for layer, values in hiddens.items():
             store.write_hidden(layer, slots, values)
@@ -41,9 +49,9 @@ def _fill(store: HiddenStore, seed: int) -> None:
 
 # Only CUDA overlaps the load ("ovl"); on a CPU both modes run the same code, so one of them is enough.
 @pytest.mark.parametrize("h2d_mode", ["ser", "ovl"] if torch.cuda.is_available() else ["ser"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", ENCODINGS)
 def test_host_tier_returns_exactly_what_the_device_tier_does(h2d_mode, dtype):
-    stores = {tier: HiddenStore(LAYOUT, 64, dtype, DEVICE, tier) for tier in ("device", "host")}
+    stores = {tier: HiddenStore(_layout_for(dtype), 64, dtype, DEVICE, tier) for tier in ("device", "host")}
     for store in stores.values():
         _fill(store, seed=0)
     assert stores["host"].hiddens.device.type == "cpu" and stores["host"].pending_write_backs() == 0
@@ -217,16 +225,12 @@ def _args(**kw):
     ({"device": "cpu"}, None, "device"),
     ({"device": "cpu"}, "host", "host"),  # the same code, synchronous copies
     ({"device": "cuda", "disable_cuda_graph": True}, None, "host"),
-    ({"device": "cuda"}, None, "device"),  # CUDA graphs on: the host write-back cannot be captured
+    ({"device": "cuda"}, None, "host"),  # CUDA graphs on: captured forwards stage their rows (store/staging.py)
     ({"device": "cuda"}, "device", "device"),
+    ({"device": "cuda"}, "host", "host"),
 ])
 def test_tier_is_chosen_for_the_device(kw, given, expected):
     assert _hidden_tier(TailReplayConfig(enabled=True, hidden_tier=given), _args(**kw)) == expected
-
-
-def test_host_tier_with_cuda_graphs_is_refused_naming_the_flags():
-    with pytest.raises(TailReplayConfigError, match="--tail-replay-hidden-tier host needs --disable-cuda-graph"):
-        _hidden_tier(TailReplayConfig(enabled=True, hidden_tier="host"), _args(device="cuda"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -280,9 +284,37 @@ def test_float8_rows_decode_within_e4m3_rounding_of_what_was_written(magnitude):
     assert (got - values).abs().max() > 0  # it is lossy: the test would pass vacuously on a float32 store
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 3e3])
+def test_int4_rows_decode_within_half_a_step_of_their_groups_scale(magnitude):
+    """int4 hiddens: each group of 32 values comes back within half a code step (its amax / 7, kept in bfloat16) of
+    itself, so one group's outlier coarsens only that group; a row is 32 code bytes + 4 scale bytes for 64 values,
+    padded to 40 (whole 8-byte words)."""
+    from tailreplay_sglang.store.hidden_store import bytes_per_token
+
+    store = HiddenStore(INT4_LAYOUT, 8, torch.int4, DEVICE, "device")
+    assert store.hiddens.dtype == torch.uint8 and bytes_per_token(INT4_LAYOUT, torch.int4) == 2 * 40 + 8
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 64, generator=g, dtype=torch.float64) * torch.tensor([[magnitude], [1.0], [1e-3]])
+    values[1, 40] = 50.0  # an outlier channel in the second group of row 1
+    slots = torch.tensor([1, 2, 3], device=DEVICE)
+    store.write_hidden(4, slots, values.float().to(DEVICE))
+    got = store.decode(store.read_hidden(4, slots), torch.float32).cpu().double()
+    groups = values.unflatten(-1, (2, 32))
+    step = (groups.abs().amax(-1, keepdim=True) / 7).to(torch.bfloat16).double()
+    assert ((got.unflatten(-1, (2, 32)) - groups).abs() <= step / 2 + groups.abs() * 2 ** -8 + 1e-30).all()
+    assert (got[1, :32] - values[1, :32]).abs().max() < 50 / 7 / 20  # a twentieth of the outlier group's step
+    assert (got - values).abs().max() > 0  # lossy: the test would pass vacuously on a float32 store
+
+
+def test_int4_refuses_a_row_of_partial_groups_naming_the_flag():
+    with pytest.raises(ValueError, match="--tail-replay-hidden-dtype int4.*multiple of 32.*48"):
+        HiddenStore(HybridLayout(LAYOUT.layer_types, hidden_size=48), 8, torch.int4, DEVICE)
+    assert TailReplayConfig(enabled=True, hidden_dtype="int4").hidden_torch_dtype(torch.float32) == torch.int4
+
+
 # ---- the store's HiCache host pool (store/hicache_pool.py), as SGLang's controller and file backend call it ----
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", ENCODINGS)
 def test_hicache_host_pool_round_trips_rows_through_host_and_l3_pages(dtype):
     """Device slots -> host slots (a backup with the KV), host -> other device slots (a load-back into fresh KV
     slots), and host pages -> bytes -> another server's host pool (the file backend's write and read) all give back
@@ -290,7 +322,7 @@ def test_hicache_host_pool_round_trips_rows_through_host_and_l3_pages(dtype):
     from tailreplay_sglang.store.hicache_pool import HiddenHostPool
 
     page = 4
-    store = HiddenStore(LAYOUT, 64, dtype, DEVICE)
+    store = HiddenStore(_layout_for(dtype), 64, dtype, DEVICE)
     _fill(store, seed=3)
     pool = HiddenHostPool(store, size=32, page_size=page)
     dev = torch.arange(8, 20, device=DEVICE)  # 12 tokens = 3 pages of KV, stored at host slots 16..27

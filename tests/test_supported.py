@@ -185,23 +185,25 @@ def _resolved_graphs(**flags):
         return get_exec().graph.cuda_graph_config
 
 
-@pytest.mark.parametrize("flags, refused", [
-    ({"disable_cuda_graph": True}, None),
-    ({"disable_decode_cuda_graph": True, "disable_prefill_cuda_graph": True}, None),
-    ({"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"}, "prefill breakable"),
-    ({}, "decode full"),
+@pytest.mark.parametrize("flags, rows", [
+    ({"disable_cuda_graph": True}, 0),
+    ({"disable_decode_cuda_graph": True, "disable_prefill_cuda_graph": True}, 0),
+    ({"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"}, "prefill"),
+    ({}, "largest"),
 ], ids=["legacy-off", "per-phase-off", "prefill-re-enabled", "defaults"])
-def test_the_host_tier_needs_every_resolved_graph_phase_off(flags, refused):
-    from tailreplay_sglang.supported import check_host_tier_graphs
+def test_the_host_tier_stages_what_the_largest_resolved_graph_writes(flags, rows):
+    """Issue 63 item 2: the host tier runs under CUDA graphs (no refusal), its staging area sized from SGLang's
+    resolved graph config: none with every phase eager, else the largest decode batch times its tokens per
+    request (2: a verify's draft tokens) or the largest prefill token bucket, whichever is more."""
+    from tailreplay_sglang.lifecycle import staging_rows_for
 
     graphs = _resolved_graphs(**flags)
-    check_host_tier_graphs("device", graphs, on_cuda=True)
-    check_host_tier_graphs("host", graphs, on_cuda=False)  # no graphs on a CPU
-    if refused is None:
-        check_host_tier_graphs("host", graphs, on_cuda=True)
-    else:
-        with pytest.raises(UnsupportedConfigError, match=f"--tail-replay-hidden-tier host .*resolved: {refused}"):
-            check_host_tier_graphs("host", graphs, on_cuda=True)
+    if rows:
+        with pytest.raises(ValueError, match="no batch sizes to size the host tier's staging"):
+            staging_rows_for(graphs, decode_tokens_per_req=2)  # the launcher's config: buckets come later
+    graphs.decode.bs, graphs.prefill.bs = [1, 2, 4, 160], [256, 512]  # the buckets the scheduler resolves
+    expected = {0: 0, "prefill": 512, "largest": 320}[rows]
+    assert staging_rows_for(graphs, decode_tokens_per_req=2) == expected
 
 
 @pytest.mark.parametrize("family, flags, refused", [

@@ -42,7 +42,8 @@ def ratio_tail(matched: int) -> int:
 @pytest.fixture(scope="module")
 def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
     """The module's own servers (beside the session's exact one), started together:
-    - host_tier / float8: the exact flags with the host hidden tier (serialized loads) / float8 hiddens;
+    - host_tier / float8 / int4: the exact flags with the host hidden tier (serialized loads) / float8 / int4
+      hiddens;
     - ratio: the paper's 10 % tail clamped to [MIN_TAIL, MAX_TAIL] tokens, 32-token prefill chunks, a 768-token KV
       pool (the clamp, chunked extends, eviction, and the r = 0.1 arm of the error ordering);
     - zero: the paper's zero states (the error ordering);
@@ -50,6 +51,7 @@ def servers(tiny_qwen35, tiny_qwen3next, tmp_path_factory):
     yield from start_servers(tmp_path_factory, {
         "host_tier": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-tier", "host", "--tail-replay-h2d", "ser")),
         "float8": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-dtype", "float8_e4m3fn")),
+        "int4": Spec(tiny_qwen35, (*EXACT_FLAGS, "--tail-replay-hidden-dtype", "int4")),
         "ratio": Spec(tiny_qwen35, (*PAPER, "--tail-replay-ratio", str(RATIO), "--tail-replay-min-tokens",
                                     str(MIN_TAIL), "--tail-replay-max-tokens", str(MAX_TAIL),
                                     "--chunked-prefill-size", "32"),
@@ -215,6 +217,22 @@ def test_float8_hiddens_hit_alike_and_stay_close_to_float32_hiddens(server, floa
     assert diffs and 0 < max(diffs) < 0.01, max(diffs)
     info = requests.get(f"{float8_server.base_url}/server_info", timeout=30).json()
     assert info["internal_states"][0]["tail_replay_pools"]["hidden_dtype"] == "torch.float8_e4m3fn"
+
+
+def test_int4_hiddens_hit_alike_and_stay_within_their_measured_error(server, servers, tok_qwen35):
+    """`--tail-replay-hidden-dtype int4` (4-bit codes + a bfloat16 scale per 32 values, 0.28x bfloat16's bytes):
+    the same hits and replays as float32 hiddens, served from 40-byte rows; the replays from 4-bit hiddens move the
+    hit's logprobs by more than float8's do: max |delta logprob| 0.027 over the 24 scored positions on this model
+    (float8: 1.5e-3); the bound leaves ~4x, and a wrong decode (a scale or nibble order) misses it by far."""
+    f32, i4 = _mixed_traffic(server, tok_qwen35), _mixed_traffic(servers["int4"], tok_qwen35)
+    assert [(r["cached"], r["replayed"]) for r in i4] == [(r["cached"], r["replayed"]) for r in f32]
+    assert sum(r["replayed"] for r in i4) > 0
+    diffs = [abs(a - b) for r4, r32 in zip(i4, f32) for a, b in zip(r4["logprobs"][:r4["prompt_len"]],
+                                                                  r32["logprobs"][:r32["prompt_len"]])]
+    assert diffs and 0 < max(diffs) < 0.1, max(diffs)
+    pools = requests.get(f"{servers['int4'].base_url}/server_info", timeout=30).json()["internal_states"][0][
+        "tail_replay_pools"]
+    assert pools["hidden_dtype"] == "torch.int4"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ Two tiers (`--tail-replay-hidden-tier`):
 - `host`: the store sits in (pinned) host memory and costs no device memory. Each forward's new entries go back
   asynchronously (`transfer.DeviceToHostWriteBack`), and a hit fetches only its tail, host -> device, through
   `transfer.HostToDevice` (serialized or overlapped with the replay). Where host is the device (CPU), the same code
-  runs with synchronous copies.
+  runs with synchronous copies. Under CUDA graphs a captured forward writes into a device staging area instead,
+  flushed to the write-back after each replay (`staging.GraphStaging`).
 
 Rows are kept as `hidden_codec` encodes them (a float dtype, or float8 with a scale per token): reads return the
 encoded rows, and the replay decodes them on the device (`decode`).
@@ -31,6 +32,7 @@ import torch
 from tailreplay_sglang.config import HIDDEN_TIERS
 from tailreplay_sglang.layout import HybridLayout
 from tailreplay_sglang.store.codec import codec_for
+from tailreplay_sglang.store.staging import GraphStaging, cuda_graph_capturing
 from tailreplay_sglang.store.transfer import DeviceToHostWriteBack, HostToDevice, pin
 
 logger = logging.getLogger(__name__)
@@ -69,8 +71,11 @@ def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype)
 
 
 class HiddenStore:
+    """`staging_rows`: the host tier's staging area under CUDA graphs (the most rows one replayed graph writes; 0:
+    no graphs). `capturing` says whether the forward is being captured (a stand-in's in the contract tests)."""
+
     def __init__(self, layout: HybridLayout, num_slots: int, dtype: torch.dtype, device, tier: str = "device",
-                 shard: Shard = Shard()):
+                 shard: Shard = Shard(), staging_rows: int = 0, capturing=cuda_graph_capturing):
         if tier not in HIDDEN_TIERS:
             raise ValueError(f"hidden store tier must be one of {HIDDEN_TIERS}, got {tier!r}")
         self.layout, self.tier, self.device, self.shard = layout, tier, torch.device(device), shard
@@ -84,6 +89,9 @@ class HiddenStore:
         if tier == "host":
             self.hiddens, self.token_ids = pin(self.hiddens), pin(self.token_ids)
         self.write_back = DeviceToHostWriteBack(self.device) if tier == "host" else None
+        staged = tier == "host" and staging_rows > 0
+        self.staging = GraphStaging(self._tables(), staging_rows, self.device) if staged else None
+        self._capturing = capturing
         logger.info("Tail-Replay hidden store (%s tier): %d slots x %d B/token = %.1f MiB (%d stored groups, %s; "
                     "columns %d:%d of %d on attention-TP rank %d of %d)", tier, num_slots,
                     bytes_per_token(layout, dtype, shard.world), self.nbytes / 2**20, len(self._row), dtype,
@@ -95,8 +103,13 @@ class HiddenStore:
 
     @property
     def device_nbytes(self) -> int:
-        """What the store costs in device memory (zero for the host tier on a GPU)."""
-        return self.nbytes if self.hiddens.device == self.device else 0
+        """What the store costs in device memory (for the host tier on a GPU: its graph staging area only)."""
+        if self.hiddens.device == self.device:
+            return self.nbytes
+        return 0 if self.staging is None else self.staging.nbytes
+
+    def _tables(self) -> list[torch.Tensor]:
+        return [self.token_ids, *self.hiddens]
 
     def is_stored(self, first_layer: int) -> bool:
         return first_layer in self._row
@@ -104,16 +117,24 @@ class HiddenStore:
     # ---- writes: every forward, on the compute stream ----
 
     def write_tokens(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self._write(self.token_ids, slots, token_ids.to(torch.int64))
+        self._write(0, slots, token_ids.to(torch.int64))
 
     def write_hidden(self, first_layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.hiddens[self._row[first_layer]], slots, self.codec.encode(values[..., self._columns]))
+        self._write(1 + self._row[first_layer], slots, self.codec.encode(values[..., self._columns]))
 
-    def _write(self, target: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def _write(self, table: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        target = self._tables()[table]
         if self.write_back is None:
             target[slots] = values
-            return
-        self.write_back.submit(lambda s, v: target.index_copy_(0, s.long(), v), slots, values)
+        elif self.staging is not None and self._capturing():
+            self.staging.write(table, slots, values)
+        else:
+            self.write_back.submit(lambda s, v: target.index_copy_(0, s.long(), v), slots, values)
+
+    def flush_staging(self, n: int) -> None:
+        """After a replayed CUDA graph (outside it): the first `n` staged rows of each table to the write-back."""
+        if self.staging is not None:
+            self.staging.flush(n, self._tables(), self.write_back)
 
     def move(self, target_slots: torch.Tensor, source_slots: torch.Tensor) -> None:
         """Rows `source_slots` -> `target_slots` (every source read before any target is written): speculative
