@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import lfm2vl, minicpmv, nemotron_puzzle
+from tailreplay_eval import lfm2vl, minicpmv, nemotron_puzzle, qwen4exp
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -280,6 +280,13 @@ PRESETS: dict[str, Preset] = {
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
+    ),
+    # Qwen3.8-Flash-Next (qwen4_exp, `tailreplay_eval.qwen4exp`): tiny-qwen35-moe-vl's build with 4 hyper-connection
+    # streams and QSA sparse attention in its full-attention layers, without per-layer embeddings, in bfloat16.
+    "tiny-qwen3.8-flash-next": Preset(
+        model_type="qwen4_exp", **dict(TINY, dtype="bfloat16"), vision=TINY_VISION, partial_rotary_factor=0.5,
+        mrope_section=(2, 1, 1),
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # MiniCPM-V 4.6 (minicpmv4_6, `tailreplay_eval.minicpmv`): tiny-qwen35's text stack under a two-layer SigLIP tower
     # of 14-px patches at 448 px (1024 patches, 64 language-model tokens per image after the 16x downsampling).
@@ -677,7 +684,7 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     config.rope_theta = preset.rope_theta
     config.partial_rotary_factor = preset.partial_rotary_factor  # HF's Qwen3.5 config writes 0.25 here regardless
     config.attn_output_gate = True
-    return config
+    return qwen4exp.text_config(config) if preset.model_type == "qwen4_exp_text" else config
 
 
 @torch.no_grad()
@@ -841,6 +848,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
             convert_to_ling(staging, preset.rope_theta, record["seed"])
     elif preset.model_type == "lfm2_vl":
         lfm2vl.liquid_names(staging / "model.safetensors")
+    elif preset.model_type == "qwen4_exp":
+        qwen4exp.serving_dtypes(config_file)
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     marker = dict(record, num_parameters=model.num_parameters())

@@ -22,6 +22,8 @@ _GDN_FUNCTIONS = {
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": (
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
+    "transformers.models.qwen4_exp.modeling_qwen4_exp": (
+        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
     "transformers.models.olmo_hybrid.modeling_olmo_hybrid": (
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
     "transformers.models.kimi_linear.modeling_kimi_linear": (

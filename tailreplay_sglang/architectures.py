@@ -12,6 +12,7 @@ that docs/models.md's table says the same.
 """
 
 GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "short_conv"
+HYPER_GDN = "gdn_hc"  # GDN under hyper-connection streams (families/hyper_gdn.py)
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -33,6 +34,8 @@ SERVED = {
     "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
                                                   "tower)"),
     "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
+    "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
+                                                    "hyper-connection streams; without per-layer embeddings)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -50,11 +53,7 @@ _DRAFT = "an MTP draft of a model Tail-Replay does not serve"
 # registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
 REFUSED = {
     # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
-    "Qwen4ExpForConditionalGeneration": (
-        "Qwen3.8-Flash-Next: its residual stream is 4 hyper-connection streams (hc_count), so a group's input is all "
-        "4 and not the one hidden the GDN recipe stores, and its indexed_attention layers keep an indexer cache the "
-        "hit does not carry"),
-    "Qwen4ExpForCausalLMMTP": (_DRAFT + " (Qwen3.8-Flash-Next)"),
+    "Qwen4ExpForCausalLMMTP": ("Qwen3.8-Flash-Next's MTP draft: speculative decoding is not tested on its family"),
     "Glm5NextForConditionalGeneration": (
         "GLM-5.3-Flash: mHC with 4 Sinkhorn-mixed streams (hc_mult) around KDA and DSA-indexed MLA layers; a group's "
         "input is all 4 streams and the indexer cache is not carried"),

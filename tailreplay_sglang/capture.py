@@ -90,12 +90,20 @@ def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
 
 def _capture_layer_keywords(store: HiddenStore, first_layer: int | None, module, args, kwargs):
     if kwargs.get("forward_batch") is not None:
-        write_rows(store, first_layer, kwargs["forward_batch"], kwargs["hidden_states"])
+        write_rows(store, first_layer, kwargs["forward_batch"], widened(kwargs["hidden_states"], store.layout))
+
+
+def widened(rows, layout):
+    """Rows as wide as the store's: the first layer of a model with hyper-connection streams receives the embedding
+    [T, hidden] and widens it into `streams` copies itself; the store keeps the copies, so every row has one width."""
+    if rows is None or layout.streams == 1 or rows.shape[-1] == layout.row_width:
+        return rows
+    return rows.repeat(1, layout.streams)
 
 
 def at_layer_keyword_inputs(layers, store: HiddenStore) -> list:
-    """Keyword pre-hooks on group 0's first decoder layer (the token ids) and on each stored group's (its input);
-    returns the handles."""
+    """Keyword pre-hooks on group 0's first decoder layer (the token ids) and on each stored group's (its input, all
+    streams); returns the handles."""
     first = store.layout.groups[0].first_layer
     handles = [layers[first].register_forward_pre_hook(partial(_capture_layer_keywords, store, None),
                                                        with_kwargs=True)]

@@ -28,15 +28,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import (GDN, KDA, LIGHTNING, MAMBA2, SHORT_CONV,  # noqa: F401 (re-exported)
-                                             family_of, served_list)
+from tailreplay_sglang.architectures import (GDN, HYPER_GDN, KDA, LIGHTNING, MAMBA2,  # noqa: F401 (re-exported)
+                                             SHORT_CONV, family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 SUPPORTED = served_list()
 # Nemotron-H's pattern letters (SGLang's configs/nemotron_h.py) and its layers_block_type names (SGLang's, then HF's).
 PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
-               "moe": MOE, "conv": LINEAR}  # conv: LFM2's short-conv layers
+               "moe": MOE, "conv": LINEAR,  # conv: LFM2's short-conv layers
+               # Qwen3.8-Flash-Next's QSA layers: full attention with an indexer, whose cache is per token like the KV
+               "indexed_attention": FULL, "qwen_sparse_attention": FULL}
 PARALLEL_HYBRIDS = ("FalconH1ForCausalLM",)  # attention and Mamba2 side by side in every layer
 
 
@@ -59,6 +61,12 @@ class HybridLayout:
     mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2, KDA or LIGHTNING
     chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
     conv_kernel: int | None = None  # LFM2's short conv: its width (conv_L_cache); its state is the last width - 1 rows
+    streams: int = 1  # the residual stream's hyper-connection streams (Qwen3.8-Flash-Next: hc_count), all stored
+
+    @property
+    def row_width(self) -> int:
+        """Values per stored row: a group's input is every stream of the residual."""
+        return self.hidden_size * self.streams
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -97,7 +105,8 @@ class HybridLayout:
         mixer = mixer_of(getattr(config, "architectures", None) or ())
         return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
                    chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None,
-                   conv_kernel=text.conv_L_cache if mixer == SHORT_CONV else None)
+                   conv_kernel=text.conv_L_cache if mixer == SHORT_CONV else None,
+                   streams=getattr(text, "hc_count", 1) if mixer == HYPER_GDN else 1)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -112,7 +121,8 @@ class HybridLayout:
             mixer = mixer_of(raw.get("architectures") or ())
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
                        mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None,
-                       conv_kernel=text.get("conv_L_cache", 3) if mixer == SHORT_CONV else None)
+                       conv_kernel=text.get("conv_L_cache", 3) if mixer == SHORT_CONV else None,
+                       streams=text.get("hc_count", 1) if mixer == HYPER_GDN else 1)
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -144,6 +154,11 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
     2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
+    if "Qwen4ExpForConditionalGeneration" in architectures and getattr(text_config, "ple_layer_ids", None):
+        raise ValueError("--enable-tail-replay does not replay Qwen3.8-Flash-Next's per-layer embeddings yet: its PLE "
+                         f"layers (ple_layer_ids {list(text_config.ple_layer_ids)}) keep a dilated short-conv state "
+                         "and an n-gram token history per request, which its replay and anchors do not rebuild. "
+                         f"Supported: {SUPPORTED}")
     if "BailingMoeV3ForCausalLM" in architectures and getattr(text_config, "short_conv_kernel_size", None) is None:
         raise ValueError("--enable-tail-replay replays Ling-3.0's KDA layers, which a Bailing config declares with "
                          "short_conv_kernel_size; this one has none (its layers would be built as lightning "

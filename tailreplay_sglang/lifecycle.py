@@ -46,7 +46,7 @@ def add_store_to_cell_size(runtime: TailReplayRuntime, original, configurator, k
     if runtime.config.hidden_tier == "host":  # the store is in host memory: the device pool keeps its size
         return cell
     layout = HybridLayout.from_hf_config(kvc.model_config.hf_config)
-    shards = store_shard(runtime, kvc.model_config, layout.hidden_size).world
+    shards = store_shard(runtime, kvc.model_config, layout.row_width).world
     extra = bytes_per_token(layout, _hidden_dtype(runtime, kvc.model_config), shards)
     logger.info("Tail-Replay: KV cell %d B/token + hidden store %d B/token (each row split over %d attention-TP "
                 "ranks)", cell, extra, shards)
@@ -99,7 +99,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
     num_slots = runner.token_to_kv_pool.size + runner.token_to_kv_pool.page_size  # slot 0 is SGLang's padding
     tier = runtime.config.hidden_tier or "device"  # the launcher resolves the default (plugin._hidden_tier)
     runtime.store = HiddenStore(layout, num_slots, _hidden_dtype(runtime, runner.model_config), runner.device, tier,
-                                store_shard(runtime, runner.model_config, layout.hidden_size),
+                                store_shard(runtime, runner.model_config, layout.row_width),
                                 staging_rows=graph_staging_rows(runner) if tier == "host" else 0)
     runtime.kv_pool = runner.token_to_kv_pool
     runtime.family.install_capture(model.layers, runtime.store)

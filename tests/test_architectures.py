@@ -106,10 +106,7 @@ def test_an_unknown_architecture_is_refused_by_name():
 
 
 @pytest.mark.parametrize("arch, text_config", [
-    # Measured at 5674c68: read as one GDN group (indexed_attention is not "full_attention")
-    ("Qwen4ExpForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4,
-                                          "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
-                                          "hc_count": 4}),
+    # Measured at 5674c68: read as one GDN group (indexed_attention was not "full_attention")
     ("Glm5NextForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4,
                                           "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
                                           "hc_mult": 4}),
@@ -122,6 +119,27 @@ def test_frontier_checkpoints_that_pass_for_an_old_layout_are_refused_at_launch(
     architecture is not on the list, so the launcher's layout refuses it with the reason."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "text_config": text_config}))
     with pytest.raises(UnsupportedArchitectureError, match=f"does not serve {arch}: {re.escape(REFUSED[arch])}"):
+        HybridLayout.from_model_path(str(tmp_path))
+
+
+def test_qwen38_reads_its_qsa_layers_as_attention_and_stores_every_stream(tmp_path):
+    """Qwen3.8-Flash-Next, served (tests/test_qwen38.py): its indexed_attention layers cut the groups, and a stored
+    row is all hc_count streams of a group's input."""
+    text = {"hidden_size": 64, "num_hidden_layers": 8, "hc_count": 4,
+            "layer_types": (["linear_attention"] * 3 + ["indexed_attention"]) * 2}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen4ExpForConditionalGeneration"],
+                                                      "text_config": text, "vision_config": {}}))
+    layout = HybridLayout.from_model_path(str(tmp_path))
+    assert [g.layers for g in layout.groups] == [(0, 1, 2), (4, 5, 6)]
+    assert layout.mixer == "gdn_hc" and layout.row_width == 4 * 64 and layout.stores_embeddings
+
+
+def test_qwen38_with_per_layer_embeddings_is_refused_naming_them(tmp_path):
+    text = {"hidden_size": 64, "num_hidden_layers": 4, "hc_count": 4, "ple_layer_ids": [1],
+            "layer_types": ["linear_attention"] * 3 + ["indexed_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen4ExpForConditionalGeneration"],
+                                                      "text_config": text}))
+    with pytest.raises(ValueError, match=r"per-layer embeddings yet: its PLE layers \(ple_layer_ids \[1\]\)"):
         HybridLayout.from_model_path(str(tmp_path))
 
 

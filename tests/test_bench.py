@@ -642,7 +642,7 @@ def test_memory_per_rank_table_and_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
     assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 3  # TP 1, 2; 3 row dtypes
-    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T"}
+    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T", "Qwen3.8-Flash-Next"}
     assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - FRONTIER_SERVED
     assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | FRONTIER_SERVED
     assert "not measured" in data["note"]

@@ -121,6 +121,12 @@ CPU_ENGINE = (
          f"{_PKG}.dp_attention:reduce_scatterv_on_cpu",
          "DP attention with expert parallelism scatters each layer's output back to the DP groups with pynccl's "
          "reduce_scatterv; on a CPU, SGLang's own all-reduce-and-slice form"),
+    Hook(f"{_SRT}.layers.attention.qsa.qsa_indexer.QSAIndexer.forward_native", "replace",
+         f"{_PKG}.qsa:indexer_forward_native",
+         "Qwen3.8-Flash-Next's sparse-attention indexer has CUDA and XPU forwards only; both run its portable body"),
+    Hook(f"{_SRT}.layers.attention.qsa.metadata.gather_qsa_compressed_keys", "replace",
+         f"{_PKG}.qsa:gather_compressed_keys",
+         "the indexer's prefill gathers its compressed keys with a Triton kernel"),
     Hook(f"{_SRT}.model_loader.loader._initialize_model", "around", f"{_PKG}.minicpmv:keep_shared_experts_config",
          "MiniCPM-V's wrapper loses the loader's shared-experts record at model.eval(): every runner's warm-up raises"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",

@@ -38,9 +38,17 @@ class GdnFamily(Family):
         return capture.at_mixer_inputs(layers, store, "linear_attn")
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
+        x = self.group_input(model, group, x)
         for i, layer_id in enumerate(group.recurrent_layers):
             last = i == len(group.recurrent_layers) - 1
-            x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
+            x = self.replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, state_only=last)
+
+    def group_input(self, model, group, x: torch.Tensor) -> torch.Tensor:
+        """The residual-stream value the group's first layer reads, from what the store or the embeddings give."""
+        return x
+
+    def replay_layer(self, layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
+        return replay_layer(layer, cache, x, batch, state_only)
 
     def feed_forwards(self, model, layout) -> list:
         """Each group's layers but its last feed the next layer through their MLP or MoE (`replay_layer`)."""

@@ -62,7 +62,7 @@ class Shard:
 
 def bytes_per_token(layout: HybridLayout, dtype: torch.dtype, shards: int = 1) -> int:
     """Per rank: each of `shards` attention-TP ranks keeps 1/shards of every row."""
-    return bytes_per_token_of(len(layout.stored_groups), layout.hidden_size // shards, dtype)
+    return bytes_per_token_of(len(layout.stored_groups), layout.row_width // shards, dtype)
 
 
 def bytes_per_token_of(stored_groups: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -79,11 +79,11 @@ class HiddenStore:
         if tier not in HIDDEN_TIERS:
             raise ValueError(f"hidden store tier must be one of {HIDDEN_TIERS}, got {tier!r}")
         self.layout, self.tier, self.device, self.shard = layout, tier, torch.device(device), shard
-        self._columns = shard.columns(layout.hidden_size)
+        self._columns = shard.columns(layout.row_width)
         self._row = {g.first_layer: i for i, g in enumerate(layout.stored_groups)}
         self.codec = codec_for(dtype)
         where = self.device if tier == "device" else torch.device("cpu")
-        self.hiddens = torch.zeros(len(self._row), num_slots, self.codec.row_width(shard.width(layout.hidden_size)),
+        self.hiddens = torch.zeros(len(self._row), num_slots, self.codec.row_width(shard.width(layout.row_width)),
                                    dtype=self.codec.storage_dtype, device=where)
         self.token_ids = torch.zeros(num_slots, dtype=torch.int64, device=where)
         if tier == "host":
@@ -95,7 +95,7 @@ class HiddenStore:
         logger.info("Tail-Replay hidden store (%s tier): %d slots x %d B/token = %.1f MiB (%d stored groups, %s; "
                     "columns %d:%d of %d on attention-TP rank %d of %d)", tier, num_slots,
                     bytes_per_token(layout, dtype, shard.world), self.nbytes / 2**20, len(self._row), dtype,
-                    self._columns.start, self._columns.stop, layout.hidden_size, shard.rank, shard.world)
+                    self._columns.start, self._columns.stop, layout.row_width, shard.rank, shard.world)
 
     @property
     def nbytes(self) -> int:

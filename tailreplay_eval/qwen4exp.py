@@ -1,0 +1,56 @@
+"""Qwen3.8-Flash-Next (`Qwen4ExpForConditionalGeneration`, model_type `qwen4_exp`): tiny checkpoints.
+
+tiny-qwen35-moe-vl's build (a Qwen3.5-style text stack under a Qwen3.5 vision tower, with its processor) as
+transformers' Qwen4ExpConfig, plus what Qwen4-Exp adds to the text stack:
+- 4 hyper-connection streams (`hc_count`): the residual stream is 4 hidden vectors per token, read by each mixer
+  and MLP through a low-rank gated mix (`hc_lowrank`) and written back with per-stream injection weights;
+- QSA sparse attention in the full-attention layers (`indexed_attention`): an indexer scores blocks of
+  `indexer_compress_ratio` keys and keeps the best `indexer_budget` tokens (SGLang allows budget / ratio of 512 or
+  2048 only, so prompts under 1024 tokens see every token, as dense attention);
+- no per-layer embeddings (PLE: `ple_layer_ids` empty). A PLE layer adds hashed n-gram embeddings of the token ids,
+  gated by each stream and passed through a dilated depthwise conv, so it holds two more per-request states (the
+  conv's last (kernel - 1) x ngram_size inputs, the last ngram_size - 1 token ids), which Tail-Replay does not
+  rebuild yet (`layout._refuse_unsupported_mixers`). Stock SGLang served a tiny PLE build (layers 0 and 5, n-gram
+  tables of `ngram_vocab_size_base` 1000) on the CPU route by hand on 2026-12-06 with HF's greedy tokens.
+
+SGLang 0.5.23 builds the hyper-connection weights and the n-gram tables in bfloat16 whatever the checkpoint's dtype
+(`models/qwen4_exp.py`), so the checkpoint is bfloat16, sub-configs included (SGLang reads the text config's dtype
+and would serve a float32 one in float16), and its QSA forces a 64-token page, which only the extra_buffer
+strategy allows: the servers run SGLang's GPU-default scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Fields of Qwen4ExpTextConfig on top of the preset's text stack.
+TEXT_FIELDS = dict(
+    hc_count=4,
+    hc_lowrank=16,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=1024,
+    indexer_compress_ratio=2,
+    ple_layer_ids=[],
+    output_gate_type="sigmoid",
+)
+
+
+def text_config(config):
+    """The preset's Qwen3.5-style text config (`models.model_config`) with Qwen4-Exp's fields, its full-attention
+    layers named as Qwen4-Exp names them (QSA: `indexed_attention`)."""
+    for key, value in TEXT_FIELDS.items():
+        setattr(config, key, value)
+    config.layer_types = ["indexed_attention" if t == "full_attention" else t for t in config.layer_types]
+    return config
+
+
+def serving_dtypes(config_file: Path) -> None:
+    """Write the checkpoint's dtype into its sub-configs too: SGLang takes the text config's (float32 as transformers
+    leaves it) and would serve the model in float16."""
+    config = json.loads(config_file.read_text())
+    for sub in ("text_config", "vision_config"):
+        config[sub]["dtype"] = config["dtype"]
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
