@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from tailreplay_eval.client import chat_ids, document, stream_generate
 from tailreplay_eval.models import build_model
-from tailreplay_eval.server import ServerProcess
+from tailreplay_eval.server import ServerProcess, cpu_serving_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,14 +69,17 @@ def main(argv=None):
     ap.add_argument("--model-path", help="serve this checkpoint instead of building --preset")
     ap.add_argument("--system-words", type=int, default=600, help="length of the shared document, in words")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--server-args", default="--dtype float32",
-                    help="flags for both servers (float32: these CPUs have no fast bf16 matmul)")
+    ap.add_argument("--server-args", default=None,
+                    help="flags for both servers (default: --dtype float32, these CPUs have no fast bf16 matmul; "
+                         "bfloat16 where SGLang builds the model partly in bfloat16: server.cpu_serving_dtype)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "shared_prefix.json"))
     args = ap.parse_args(argv)
 
     console = Console(width=150)
     model_path = Path(args.model_path) if args.model_path else build_model(args.preset, ROOT / "models" / args.preset)
     tok = AutoTokenizer.from_pretrained(model_path)
+    if args.server_args is None:
+        args.server_args = f"--dtype {cpu_serving_dtype(model_path)}"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = {}

@@ -4,6 +4,7 @@ The server runs in its own session so that stopping it kills the whole process g
 manager, scheduler, detokenizer) by PID, even when the caller fails half-way.
 """
 
+import json
 import os
 import random
 import signal
@@ -34,6 +35,25 @@ BASE_FLAGS = (
 # strategy flag, so SGLang resolves `auto` to extra_buffer with the overlap scheduler, as on a GPU; docs/cpu.md).
 NO_BUFFER_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule")
 CPU_FLAGS = BASE_FLAGS + NO_BUFFER_FLAGS
+
+
+def _text_config(model_path) -> dict:
+    config_file = Path(model_path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return config.get("text_config", config)
+
+
+def cpu_serving_dtype(model_path) -> str:
+    """The dtype the CPU route serves a checkpoint in: float32 (these CPUs have no fast bfloat16 matmul, and SGLang's
+    `--dtype auto` would serve a float32 build in float16), except where SGLang builds parts of the model in bfloat16
+    whatever the dtype: the hyper-connection weights (`hc_count`, Qwen3.8-Flash-Next), which fail in float32."""
+    return "bfloat16" if _text_config(model_path).get("hc_count", 1) > 1 else "float32"
+
+
+def pages_required(model_path) -> bool:
+    """Whether SGLang forces pages larger than one token on this checkpoint, which only its GPU default (extra_buffer)
+    allows: Qwen3.8-Flash-Next's QSA indexer (64-token pages, `arg_groups/model_overrides/qwen4_exp.py`)."""
+    return _text_config(model_path).get("indexer_compress_ratio") is not None
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 # On a GPU (`ServerProcess(on_gpu=True)`, scripts/gpu_check.sh): SGLang's own defaults, two servers side by side.
 GPU_FLAGS = ("--skip-server-warmup", "--mem-fraction-static", "0.35")
@@ -100,7 +120,9 @@ class ServerProcess:
     context_length: int | None = None
     max_running_requests: int = 8
     env: dict[str, str] = field(default_factory=dict)
-    gpu_scheduling: bool = False  # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer
+    # SGLang's GPU default (extra_buffer + overlap scheduler) instead of no_buffer; taken anyway where the checkpoint
+    # needs pages (`pages_required`)
+    gpu_scheduling: bool = False
     on_gpu: bool = False  # a CUDA server with SGLang's defaults (GPU_FLAGS) instead of the CPU route
     # forked from a process that imported SGLang already (preforked.py; default: `Preforker.default`, which the
     # tests set) instead of a new interpreter; `spawn` always starts a new one, as `launch_server` runs for a user
@@ -115,7 +137,8 @@ class ServerProcess:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
                "--host", "127.0.0.1", "--port", str(self.port),
-               *(GPU_FLAGS if self.on_gpu else BASE_FLAGS if self.gpu_scheduling else CPU_FLAGS),
+               *(GPU_FLAGS if self.on_gpu else BASE_FLAGS if self.gpu_scheduling or pages_required(self.model_path)
+                 else CPU_FLAGS),
                "--max-running-requests", str(self.max_running_requests)]
         if self.max_total_tokens is not None:  # None: SGLang sizes the pool from --mem-fraction-static
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]

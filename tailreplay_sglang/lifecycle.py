@@ -146,7 +146,7 @@ def flush_after_graph(runtime: TailReplayRuntime, original, graph_runner, forwar
     output = original(graph_runner, forward_batch, *args, **kwargs)
     store, loc = runtime.store, getattr(forward_batch, "out_cache_loc", None)
     staged = store is not None and store.staging is not None and loc is not None
-    if staged and not graph_runner.model_runner.is_draft_worker:
+    if staged and not getattr(getattr(graph_runner, "model_runner", None), "is_draft_worker", False):
         store.flush_staging(loc.shape[0])
     return output
 

@@ -211,3 +211,31 @@ def test_a_real_cuda_graph_of_the_capture_points_lands_every_row_on_the_host():
     store.drain()
     assert torch.equal(store.token_ids[1:], ref.token_ids[1:].cpu())  # slot 0: the graph's padding rows
     assert torch.equal(store.hiddens[:, 1:], ref.hiddens[:, 1:].cpu())
+
+
+def test_the_graph_runners_hook_flushes_after_each_replay_and_never_for_a_draft_model():
+    """`lifecycle.flush_after_graph` (AROUND the decode and prefill graph runners' `execute`): the replay's staged
+    rows reach the host once the graph has run, for the batch's new tokens; a draft model's runner (EAGLE, MTP)
+    captured none of the target's rows, so its replays flush nothing."""
+    from tailreplay_sglang.lifecycle import flush_after_graph
+
+    graphed = Graphed()
+    runtime = SimpleNamespace(store=graphed.store)
+    slots, ids = torch.tensor([3, 9]), torch.tensor([41, 42])
+    values = {g.first_layer: torch.full((2, LAYOUT.hidden_size), 1.5) for g in LAYOUT.stored_groups}
+
+    def execute(runner, forward_batch):  # SGLang's runner: load the batch into the graph's inputs, replay
+        graphed.loc.zero_()
+        graphed.loc[:2], graphed.ids[:2] = slots, ids
+        for layer in graphed.values:
+            graphed.values[layer][:2] = values[layer]
+        graphed.graph.replay()
+        return "logits"
+
+    draft = SimpleNamespace(model_runner=SimpleNamespace(is_draft_worker=True))
+    assert flush_after_graph(runtime, execute, draft, SimpleNamespace(out_cache_loc=slots)) == "logits"
+    assert not graphed.store.token_ids.any()  # staged, not flushed
+    target = SimpleNamespace(model_runner=SimpleNamespace(is_draft_worker=False))
+    assert flush_after_graph(runtime, execute, target, SimpleNamespace(out_cache_loc=slots)) == "logits"
+    graphed.store.drain()
+    assert graphed.store.token_ids[[3, 9]].tolist() == [41, 42] and graphed.store.hiddens[:, [3, 9]].eq(1.5).all()

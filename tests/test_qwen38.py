@@ -6,10 +6,11 @@ Stock first. The CPU port supplies the QSA indexer's forward and its compressed-
 SGLang builds the hyper-connection weights in bfloat16, so the model is served in bfloat16, with SGLang's GPU-default
 scheduling (its QSA needs 64-token pages, which only extra_buffer allows). Against HF transformers in float32 on the
 same weights, served log-probs must lie as close as HF's own bfloat16 run does (the rounding of bfloat16 arithmetic,
-measured per prompt here, not a fixed tolerance), and a stock hit on its own state checkpoint must answer as the
-no-cache run. Images are not compared with HF: on a 64-row image the served log-probs of the image rows differ from
-HF's float32 ones by up to 0.19 nats and the text after it by 0.039 (HF's own bfloat16 run: 0.0034; measured
-2026-12-06, cause not located: transformers' Qwen4-Exp tower uses an axial 2-D RoPE, SGLang's is Qwen3-VL's class).
+measured per prompt here, not a fixed tolerance), and a hit on a state SGLang kept (what a stock hit is) must answer
+as the no-cache run. Images are not compared with HF: on a 64-row image the served log-probs of the image rows
+differ from HF's float32 ones by up to 0.19 nats and the text after it by 0.039 (HF's own bfloat16 run: 0.0034;
+measured 2026-12-06, cause not located: transformers' Qwen4-Exp tower uses an axial 2-D RoPE, SGLang's is
+Qwen3-VL's class).
 
 Tail-Replay stores all 4 streams of each group's input (group 0's too: a vision-language checkpoint), and its hits
 are checked against the server's own no-cache prefill: anchored (128-token prefill chunks, so a fork replays from a
@@ -26,7 +27,7 @@ from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, assert_exact, gen
                      start_servers, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
-from tailreplay_eval.server import flush_cache
+from tailreplay_eval.server import ServerProcess, cpu_serving_dtype, flush_cache
 
 pytestmark = pytest.mark.server
 
@@ -51,7 +52,6 @@ def model_path():
 
 CHUNK = 128  # the anchored server's prefill chunk: a fork finds a chunk-end anchor below its match
 SERVERS = {
-    "stock": ("--enable-cache-report",),
     "anchored": ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
                  "--tail-replay-fold-tokens", "0"),
     "paper": EXACT_FLAGS,
@@ -66,7 +66,9 @@ def servers(model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(servers):
-    return servers["stock"]
+    """The model itself is checked on the anchored server: a request after /flush_cache is SGLang's own forward (the
+    plugin only reads it), and a hit on the state kept where a request's prefill ended is what a stock hit is."""
+    return servers["anchored"]
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +104,16 @@ def test_text_is_served_as_hf_serves_it_within_bfloat16s_own_rounding(server, hf
     assert error <= 2 * rounding + FLOOR, (error, rounding)
 
 
-def test_a_stock_hit_reuses_its_state_checkpoint_and_answers_as_no_cache(server):
-    """Stock's hybrid hit: SGLang keeps a state only on its track grid (extra_buffer, every 256 tokens of 64-token
-    QSA pages; here at the request's last whole page), so a resend of a 600-token prompt reuses 576 tokens and answers
-    as the no-cache run, greedy
-    and log-probs (a stock hit's own error, under EXACT_TOL)."""
+def test_a_hit_on_a_kept_state_reuses_whole_pages_and_answers_as_no_cache(server):
+    """A hit on the state SGLang's extra_buffer kept where a request's prefill ended (its last whole 64-token QSA
+    page), as stock's hit: a resend of a 600-token prompt reuses 576 tokens, replays none and answers as the
+    no-cache run, greedy and log-probs (a stock hit's own error, under EXACT_TOL)."""
     ids = [(7 * i) % 400 + 20 for i in range(600)]
     flush_cache(server.base_url)
     first = scored(server, ids, 590, NEW)
     again = scored(server, ids, 590, NEW)
     assert first["meta"]["cached_tokens"] == 0 and again["meta"]["cached_tokens"] == 9 * PAGE
+    assert again["meta"]["tail_replay_tokens"] == 0
     assert again["output_ids"] == first["output_ids"]
     assert max(abs(a - b) for a, b in zip(again["logprobs"], first["logprobs"])) < EXACT_TOL
     assert len(generate(server, ids, 2)["output_ids"]) == 2
@@ -154,3 +156,13 @@ def test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache(serv
     hit = scored(server, again, shared, NEW, **with_images(picture))
     assert hit["meta"]["cached_tokens"] == shared // PAGE * PAGE and hit["meta"]["tail_replay_tokens"] > 0
     assert_exact(hit, no_cache(server, again, shared, NEW, **with_images(picture)))
+
+
+def test_a_server_of_this_checkpoint_takes_sglangs_paged_scheduling(model_path):
+    """QSA forces 64-token pages, which SGLang's no_buffer strategy refuses at start-up: a server of this checkpoint
+    (a test's, a benchmark's, `make demo`'s script with `--model-path`) runs SGLang's GPU default instead, and the
+    demo's script serves it in bfloat16 (SGLang builds its hyper-connections in bfloat16)."""
+    command = ServerProcess(str(model_path), port=1).command()
+    assert "no_buffer" not in command and "--disable-overlap-schedule" not in command
+    assert "no_buffer" in ServerProcess(str(MODELS_DIR / "tiny-qwen35"), port=1).command()
+    assert cpu_serving_dtype(model_path) == "bfloat16" and cpu_serving_dtype(MODELS_DIR / "tiny-qwen35") == "float32"
