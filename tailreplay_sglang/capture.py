@@ -90,15 +90,17 @@ def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
 
 def _capture_layer_keywords(store: HiddenStore, first_layer: int | None, module, args, kwargs):
     if kwargs.get("forward_batch") is not None:
-        write_rows(store, first_layer, kwargs["forward_batch"], widened(kwargs["hidden_states"], store.layout))
+        write_rows(store, first_layer, kwargs["forward_batch"],
+                   widened(kwargs["hidden_states"], store.layout.streams, store.layout.hidden_size))
 
 
-def widened(rows, layout):
-    """Rows as wide as the store's: the first layer of a model with hyper-connection streams receives the embedding
-    [T, hidden] and widens it into `streams` copies itself; the store keeps the copies, so every row has one width."""
-    if rows is None or layout.streams == 1 or rows.shape[-1] == layout.row_width:
+def widened(rows, streams: int, hidden_size: int):
+    """Rows as wide as the residual: the first layer of a model with hyper-connection streams receives the embedding
+    [T, hidden] and widens it into `streams` copies itself (the capture stores the copies, so every row has one
+    width; a text replay of group 0 widens the re-embedded ids the same way); streams as they are."""
+    if rows is None or streams == 1 or rows.shape[-1] != hidden_size:
         return rows
-    return rows.repeat(1, layout.streams)
+    return rows.repeat(1, streams)
 
 
 def at_layer_keyword_inputs(layers, store: HiddenStore) -> list:

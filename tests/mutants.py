@@ -230,8 +230,8 @@ MUTANTS = (
            server=True),
     Mutant("lfm2-stored-input", "LFM2's stored group input read from `residual` (SGLang's split-residual convention, "
            "which LFM2's layers do not follow: there it is the previous layer's input)", "tailreplay_sglang/capture.py",
-           'kwargs["forward_batch"], widened(kwargs["hidden_states"], store.layout))',
-           'kwargs["forward_batch"], widened(kwargs["residual"], store.layout))',
+           '                   widened(kwargs["hidden_states"], store.layout.streams, store.layout.hidden_size))',
+           '                   widened(kwargs["residual"], store.layout.streams, store.layout.hidden_size))',
            ("tests/test_lfm2.py::test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache",),
            server=True),
     Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL) re-embeds the ids of an "
@@ -341,8 +341,8 @@ MUTANTS = (
     # Issue 67: Qwen3.8-Flash-Next's replay reads every hyper-connection stream of the stored group input
     Mutant("hyper-one-stream", "the replay zeroes the last of the 4 hyper-connection streams of a group's input",
            "tailreplay_sglang/families/hyper_gdn.py",
-           "        return widened(x, model.layers[group.first_layer].attn_hyper_connection)\n",
-           "        x = widened(x, model.layers[group.first_layer].attn_hyper_connection)\n"
+           "        return capture.widened(x, hyper.hc_count, hyper.hidden_size)\n",
+           "        x = capture.widened(x, hyper.hc_count, hyper.hidden_size)\n"
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_qwen38.py::test_a_fork_replays_every_stream_and_equals_no_cache[paper-300]",), server=True),
 )

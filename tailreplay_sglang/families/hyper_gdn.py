@@ -41,7 +41,8 @@ class HyperGdnFamily(GdnFamily):
         return capture.at_layer_keyword_inputs(layers, store)
 
     def group_input(self, model, group, x: torch.Tensor) -> torch.Tensor:
-        return widened(x, model.layers[group.first_layer].attn_hyper_connection)
+        hyper = model.layers[group.first_layer].attn_hyper_connection
+        return capture.widened(x, hyper.hc_count, hyper.hidden_size)
 
     def replay_layer(self, layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
         return replay_layer(layer, cache, x, batch, state_only)
@@ -53,12 +54,6 @@ class HyperGdnFamily(GdnFamily):
                 paths = _MIXER + (_FEED_FORWARD if layer_id != group.recurrent_layers[-1] else ())
                 needs += layer_requirements(model, [layer_id], paths)
         return needs
-
-
-def widened(x: torch.Tensor, hyper) -> torch.Tensor:
-    """An embedding [T, hidden] widened into the gated residual `hyper`'s streams as the model widens it (copies,
-    `_widen_streams`); streams as they are."""
-    return torch.cat([x] * hyper.hc_count, dim=-1) if x.shape[-1] == hyper.hidden_size else x
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):
