@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import lfm2vl, minicpmv, nemotron_puzzle, qwen4exp
+from tailreplay_eval import lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -178,7 +178,8 @@ class Preset:
 
 
 # model_type -> the module that builds a vision wrapper's config, processor and marker tokens
-VISION_WRAPPERS = {"minicpmv4_6": minicpmv, "minicpmv4_7": minicpmv, "lfm2_vl": lfm2vl}
+VISION_WRAPPERS = {"minicpmv4_6": minicpmv, "minicpmv4_7": minicpmv, "lfm2_vl": lfm2vl,
+                   "nemotron_h_omni": nemotron_omni}
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
 TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
@@ -241,6 +242,13 @@ PRESETS: dict[str, Preset] = {
     "tiny-nemotron-h-puzzle": Preset(
         model_type="nemotron_h", **dict(TINY, num_hidden_layers=11), puzzle=True,
         mamba2=Mamba2(pattern="M-ME*-EM*ME", num_heads=8, head_dim=16, n_groups=2, state_size=16),
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    # Nemotron-H Omni (nemotron_h_omni, `tailreplay_eval.nemotron_omni`): tiny-nemotron-h's text stack under the
+    # smallest RADIO tower SGLang builds (ViT-S/16, 12 layers) and NVIDIA's projector; no audio tower.
+    "tiny-nemotron-h-omni": Preset(
+        model_type="nemotron_h_omni", **dict(TINY, num_hidden_layers=11),
+        mamba2=Mamba2(pattern="M-M*-MEM*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # Granite-4.0-H (granitemoehybrid, Mamba2): Mamba2 and attention mixers each with a MoE and a shared MLP in the
@@ -654,6 +662,9 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
         return lfm2vl.lfm2vl_config(text, preset.vision, tokenizer)
     if preset.model_type in ("kimi_linear", "bailing_hybrid"):  # Ling is built as Kimi Linear, then renamed
         return kimi_linear_config(preset, tokenizer)
+    if preset.model_type == "nemotron_h_omni":
+        return nemotron_omni.omni_config(nemotron_h_config(replace(preset, model_type="nemotron_h"), tokenizer),
+                                         tokenizer)
     if preset.model_type in ("minicpmv4_6", "minicpmv4_7"):
         text = model_config(replace(preset, model_type="qwen3_5_text", vision=None, mrope_section=None), tokenizer)
         if preset.mrope_section:
@@ -771,7 +782,7 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     _init_gdn_gates(model)
-    if config.model_type in ("nemotron_h", "granitemoehybrid"):
+    if config.model_type in ("nemotron_h", "nemotron_h_omni", "granitemoehybrid"):
         _init_mamba2_gates(model, unit_output=config.model_type == "granitemoehybrid")
     if config.model_type == "olmo_hybrid":
         _vary_norm_weights(model)
@@ -848,6 +859,10 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
             convert_to_ling(staging, preset.rope_theta, record["seed"])
     elif preset.model_type == "lfm2_vl":
         lfm2vl.liquid_names(staging / "model.safetensors")
+    elif preset.model_type == "nemotron_h_omni":
+        text = dict(model.config.text_config.to_dict(), architectures=["NemotronHForCausalLM"])
+        nemotron_omni.released_config(config_file, nvidia_config_fields(text))
+        nemotron_omni.name_unk_token(staging)
     elif preset.model_type == "qwen4_exp":
         qwen4exp.serving_dtypes(config_file)
     if preset.mtp_layers:

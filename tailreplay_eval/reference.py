@@ -52,7 +52,8 @@ def load_hf_model(model_path, dtype=torch.float32):
 
     force_torch_gdn()
     config = AutoConfig.from_pretrained(model_path)
-    is_vl = any(a.endswith("ForConditionalGeneration") for a in (config.architectures or []))
+    is_vl = (any(a.endswith("ForConditionalGeneration") for a in (config.architectures or []))
+             or getattr(config, "vision_config", None) is not None)  # NemotronH_Omni_Reasoning_V3
     loader = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
     return loader.from_pretrained(model_path, dtype=dtype).eval()
 

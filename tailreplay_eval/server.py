@@ -40,7 +40,7 @@ CPU_FLAGS = BASE_FLAGS + NO_BUFFER_FLAGS
 def _text_config(model_path) -> dict:
     config_file = Path(model_path) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return config.get("text_config", config)
+    return config.get("text_config", config.get("llm_config", config))  # llm_config: NVIDIA's VL wrappers
 
 
 def cpu_serving_dtype(model_path) -> str:

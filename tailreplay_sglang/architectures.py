@@ -34,6 +34,8 @@ SERVED = {
     "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
                                                   "tower)"),
     "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
+    "NemotronH_Omni_Reasoning_V3": (MAMBA2, "Nemotron-H Omni (Nemotron-H under a RADIO vision tower; images, "
+                                           "without its audio tower)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
                                                     "hyper-connection streams; without per-layer embeddings)"),
 }
@@ -72,7 +74,6 @@ REFUSED = {
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
     "NemotronH_Nano_VL_V2": ("Nemotron-H Nano VL: image rows in group 0's input; " + _UNTESTED),
     "NemotronH_Nano_Omni_Reasoning_V3": ("Nemotron-H Nano Omni: image and audio rows in group 0; " + _UNTESTED),
-    "NemotronH_Omni_Reasoning_V3": ("Nemotron-H Omni: image and audio rows in group 0; " + _UNTESTED),
     "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
     "JetNemotronForCausalLM": ("Jet-Nemotron: JetBlock linear attention (dynamic convolution kernels), not the GDN "
                                "layer SGLang's list files it under; " + _NO_FAMILY),

@@ -218,3 +218,31 @@ def test_lfm2_groups_and_its_state_window(tmp_path):
     assert (cfg.state_window, cfg.exact_budget, cfg.anchored) == (6, 0, False)
     assert [cfg.tail_len(m) for m in (0, 1, 6, 7, 5000)] == [0, 1, 6, 6, 6]
     assert all(cfg.is_exact_fallback(m) for m in (0, 1, 6, 7, 5000))
+
+
+def test_nemotron_h_omni_groups_and_its_audio_refusal(tmp_path):
+    """Nemotron-H Omni's text config is `llm_config` and SGLang's config class keeps its vision config raw: read from
+    config.json and from SGLang's config class alike, tiny-nemotron-h's three Mamba2 groups with group 0's input stored
+    (image rows). A checkpoint with an audio tower is refused at start-up, audio rows being untested."""
+    import json
+    import shutil
+
+    import pytest
+    from sglang.srt.configs.nano_nemotron_vl import NemotronH_Omni_Reasoning_V3_Config
+
+    from helpers import MODELS_DIR
+    from tailreplay_eval.models import build_model
+    from tailreplay_sglang.layout import MAMBA2
+
+    path = build_model("tiny-nemotron-h-omni", MODELS_DIR / "tiny-nemotron-h-omni")
+    config = json.loads((path / "config.json").read_text())
+    for lay in (HybridLayout.from_model_path(str(path)),
+                HybridLayout.from_hf_config(NemotronH_Omni_Reasoning_V3_Config(**config))):
+        assert lay.mixer == MAMBA2 and lay.stores_embeddings and lay.hidden_size == 64
+        assert [g.recurrent_layers for g in lay.groups] == [(0, 2), (5, 7), (9,)] and lay.chunk_size == 64
+    audio = tmp_path / "omni-audio"
+    audio.mkdir()
+    shutil.copy(path / "config.json", audio / "config.json")
+    (audio / "config.json").write_text(json.dumps(dict(config, sound_config={"hidden_size": 32})))
+    with pytest.raises(ValueError, match="audio tower"):
+        HybridLayout.from_model_path(str(audio))

@@ -1,7 +1,8 @@
 """Hybrids served under another family's vision wrapper: MiniCPM-V 4.6 and 4.7 (`MiniCPMV4_6ForConditionalGeneration`,
 `MiniCPMV4_7ForConditionalGeneration`: a Qwen3.5 language model under MiniCPM-V's SigLIP tower, GDN; 4.7 with canvas
-M-RoPE positions, `tailreplay_eval.minicpmv`) and LFM2-VL (`Lfm2VlForConditionalGeneration`: LFM2 under
-a SigLIP2 NaFlex tower, gated short conv).
+M-RoPE positions, `tailreplay_eval.minicpmv`), LFM2-VL (`Lfm2VlForConditionalGeneration`: LFM2 under
+a SigLIP2 NaFlex tower, gated short conv) and Nemotron-H Omni (`NemotronH_Omni_Reasoning_V3`: Nemotron-H under a
+RADIO tower, Mamba2, `tailreplay_eval.nemotron_omni`).
 
 SGLang feeds the first layer the tower's features in an image's rows, so a replay over an image starts from the
 stored group-0 input (as on Qwen3.5's vision-language checkpoints, tests/test_vision_language.py), and each wrapper
@@ -15,6 +16,10 @@ holds its decoder where `architectures.decoder_stack` finds it (MiniCPM-V: `llm`
   `<|image_start|>` and `<|image_end|>`, a larger one 512-px tiles behind `<|img_row_r_col_c|>` and a thumbnail.
   Every hit replays its last WINDOW tokens from a cleared slot (`families.short_conv`), so a hit that ends right after
   an image replays the image's last rows. Conv states in float32, as tests/test_lfm2.py explains.
+- Nemotron-H Omni: SGLang's own processor (dynamic resolution) keeps a 256-px image at its 16 x 16 patches, 64 rows
+  after the 2 x 2 pixel shuffle between `<img>` and `</img>`, as transformers' does; a 256 x 512 one is 128 rows. It
+  hands the tower bfloat16 pixels, so the HF reference gets its pixels rounded the same way. Interval anchors every
+  64 tokens (Mamba2's chunk), so a fork after an image replays from an anchor inside its rows.
 Checked against HF transformers (requests with no hit) and against each server's own no-cache prefill.
 """
 
@@ -33,7 +38,6 @@ from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
 
-HF_TOL = 2e-3  # nats, any output token against HF's teacher-forced forward (measured: MiniCPM-V 4e-4, LFM2-VL 1e-6)
 TOL = 2e-3  # mean nats per token of a hit against no cache
 WORST = 0.02  # any one token (EXACT_TOL)
 CHUNK = 32  # MiniCPM-V's anchored server's prefill chunk: chunk-end anchors fall inside an image's 64 rows
@@ -49,11 +53,23 @@ class Wrapper:
     placeholder: str  # what a prompt says where an image goes
     side: int  # an image of 64 rows that the HF and SGLang processors prepare alike
     wide: tuple[int, int]  # an image the processor splits (MiniCPM-V: slices; LFM2-VL: tiles and a thumbnail)
+    hf_tol: float = 2e-3  # nats, any output token against HF (measured: MiniCPM-V 4e-4, LFM2-VL 1e-6)
+    # the pixels' dtype the server's processor hands the tower, where it is not the model's (the HF reference's
+    # pixels are rounded through it)
+    pixel_dtype: torch.dtype | None = None
+    # SGLang 0.5.23's Nemotron-H processor expands all of a prompt's images at its first placeholder
+    # (`prompt.replace(IMG_CONTEXT_TOKEN, ..., 1)`) and leaves the later ones as text; transformers expands each in
+    # place, so only one-image prompts are the same prompt to both
+    one_image_per_prompt: bool = False
 
 
 MINICPMV = Wrapper("tiny-minicpmv4.6", "<|image_pad|>", 448, (448, 896))
 MINICPMV47 = Wrapper("tiny-minicpmv4.7", "<|image_pad|>", 448, (448, 896))
 LFM2VL = Wrapper("tiny-lfm2-vl", "<image>", 256, (512, 1024))
+# Mamba2 through the grouped gated norm: up to 0.0023 nats from HF in float32 (tests/test_hybrid_families.py)
+OMNI = Wrapper("tiny-nemotron-h-omni", "<image>", 256, (256, 512), hf_tol=5e-3, pixel_dtype=torch.bfloat16,
+               one_image_per_prompt=True)
+OMNI_ANCHORS = 64  # the Nemotron-H Omni server's interval anchors: Mamba2's chunk
 # server name -> (wrapper, flags, env)
 SERVERS = {
     "minicpmv-anchored": (MINICPMV, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
@@ -63,8 +79,12 @@ SERVERS = {
                                 "--tail-replay-fold-tokens", "0"), {}),
     "lfm2vl": (LFM2VL, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
                {"SGLANG_MAMBA_CONV_DTYPE": "float32"}),
+    "nemotron-omni": (OMNI, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32",
+                             "--tail-replay-fold-tokens", "0", "--tail-replay-anchor-interval", str(OMNI_ANCHORS)), {}),
 }
-HF_SERVERS = ("minicpmv-anchored", "minicpmv47", "lfm2vl")  # one per model
+HF_SERVERS = ("minicpmv-anchored", "minicpmv47", "lfm2vl", "nemotron-omni")  # one per model
+# server -> the grid its replays start on: an interval anchor inside an image's rows
+ANCHOR_GRID = {"minicpmv-anchored": CHUNK, "minicpmv47": CHUNK, "nemotron-omni": OMNI_ANCHORS}
 
 
 def prompt(content: str) -> str:
@@ -98,9 +118,11 @@ def image_rows(processor, text: str, images) -> list[int]:
 
 
 @torch.no_grad()
-def hf_greedy(model, processor, text, images) -> tuple[list[int], list[float]]:
+def hf_greedy(model, processor, text, images, pixel_dtype=None) -> tuple[list[int], list[float]]:
     """HF's greedy tokens for the prompt, and their log-probs from one teacher-forced forward."""
     inputs = processor(text=text, images=images or None, return_tensors="pt")
+    if images and pixel_dtype is not None:
+        inputs["pixel_values"] = inputs["pixel_values"].to(pixel_dtype).to(torch.float32)
     n = inputs["input_ids"].shape[1]
     out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     full = dict(inputs, input_ids=out, attention_mask=torch.ones_like(out))
@@ -121,25 +143,27 @@ def assert_as_no_cache(hit: dict, ref: dict) -> None:
 def test_text_and_images_are_served_as_hf_does(servers, hf, name, images):
     """A prompt the server has not seen (MiniCPM-V: in CHUNK-token chunks through the images)."""
     wrapper, server = SERVERS[name][0], servers[name]
+    if images > 1 and wrapper.one_image_per_prompt:
+        pytest.skip("SGLang's processor expands a prompt's images at its first placeholder (Wrapper)")
     model, processor = hf(wrapper)
     flush_cache(server.base_url)
     pictures = [image(i, wrapper.side) for i in range(images)]
     text = prompt("".join(wrapper.placeholder + f" picture {i}." for i in range(images)) + " What do these show?")
-    tokens, lps = hf_greedy(model, processor, text, pictures)
+    tokens, lps = hf_greedy(model, processor, text, pictures, wrapper.pixel_dtype)
     out = generate(server, text, NEW, return_logprob=True, logprob_start_len=-1, **with_images(*pictures))
     assert out["meta_info"]["cached_tokens"] == 0
     assert len(image_rows(processor, text, pictures)) == 64 * images
     assert out["output_ids"] == tokens
     served = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    assert np.abs(np.array(served) - np.array(lps)).max() < HF_TOL
+    assert np.abs(np.array(served) - np.array(lps)).max() < wrapper.hf_tol
 
 
 def assert_replayed(name: str, meta: dict, rows: list[int]) -> None:
     """Where each server's replay of a hit that ends after an image's last row starts: in the image's rows."""
     assert meta["tail_replay_exact"] is True
-    if name in ("minicpmv-anchored", "minicpmv47"):
+    if name in ANCHOR_GRID:
         anchor = meta["tail_replay_anchor"]
-        assert anchor is not None and anchor % CHUNK == 0 and rows[0] < anchor < rows[-1]
+        assert anchor is not None and anchor % ANCHOR_GRID[name] == 0 and rows[0] < anchor < rows[-1]
     elif name == "minicpmv-paper":
         assert meta["tail_replay_tokens"] == meta["cached_tokens"]  # the whole prefix, from a cleared state
     else:

@@ -129,6 +129,11 @@ CPU_ENGINE = (
          "the indexer's prefill gathers its compressed keys with a Triton kernel"),
     Hook(f"{_SRT}.model_loader.loader._initialize_model", "around", f"{_PKG}.minicpmv:keep_shared_experts_config",
          "MiniCPM-V's wrapper loses the loader's shared-experts record at model.eval(): every runner's warm-up raises"),
+    Hook(f"{_SRT}.models.radio.RadioModel.forward", "around", f"{_PKG}.radio:pixels_in_tower_dtype",
+         "Nemotron-H VL's processor hands the RADIO tower bfloat16 pixels; a float32 serve's first image raises"),
+    Hook(f"{_SRT}.layers.attention.vision.VisionSdpaAttention.forward", "around",
+         f"{_PKG}.radio:packed_images_masked_apart",
+         "RADIO packs a request's images into one row; the CPU's SDPA vision attention masks it as a batch and raises"),
     Hook(f"{_SRT}.distributed.bootstrap._init_cpu_threads_env", "replace", f"{_PKG}.threads:bind_rank_threads",
          "SGLang applies each rank's resolved cores only through an AMX kernel; without it ranks spin on each "
          "other's cores"),
