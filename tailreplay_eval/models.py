@@ -4,8 +4,9 @@ SGLang 0.5.23 both load.
     python -m tailreplay_eval.models --preset tiny-qwen35 --out /tmp/models/tiny-qwen35
 
 Everything is made locally: a byte-level BPE tokenizer trained on a generated English corpus, a config written
-for both libraries, and weights drawn by the HF model class from a fixed seed. A directory that already holds
-the same build (preset, seed, dtype, builder version; see `tailreplay_build.json`) is left as it is.
+for both libraries, and weights drawn by the HF model class from a fixed seed (Jet-Nemotron, which transformers
+lacks and SGLang serves: drawn directly, `tailreplay_eval.jet_nemotron`). A directory that already holds the same
+build (preset, seed, dtype, builder version; see `tailreplay_build.json`) is left as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
+from tailreplay_eval import jet_nemotron, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -132,6 +133,20 @@ class Kda:
 
 
 @dataclass(frozen=True)
+class Jet:
+    """Jet-Nemotron's JetBlocks and layer pattern (J JetBlock, * attention); `head_dim` is the key head's, each value
+    head `expand_v` times wider, and the dynamic conv's kernel generator `generator_reduction` times narrower than
+    the values (`tailreplay_eval.jet_nemotron`)."""
+
+    pattern: str
+    num_heads: int
+    head_dim: int
+    expand_v: float = 2.0
+    conv_size: int = 4
+    generator_reduction: int = 8
+
+
+@dataclass(frozen=True)
 class Preset:
     model_type: str  # transformers model_type; its causal LM class is the checkpoint's architecture
     num_hidden_layers: int
@@ -172,6 +187,9 @@ class Preset:
     # Nemotron-H Puzzle (`tailreplay_eval.nemotron_puzzle`): the `mamba2` pattern's MoE layers with their own sizes,
     # written as NemotronHPuzzleForCausalLM with per-layer `block_configs`.
     puzzle: bool = False
+    # Jet-Nemotron (model_type jet_nemotron): its JetBlock and attention layers; num_hidden_layers is the pattern's
+    # length. Built without transformers (`tailreplay_eval.jet_nemotron`).
+    jet: Jet | None = None
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
@@ -288,6 +306,12 @@ PRESETS: dict[str, Preset] = {
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
+    ),
+    # Jet-Nemotron (jet_nemotron, `tailreplay_eval.jet_nemotron`): the tiny sizes in 6 layers, two groups of two
+    # JetBlocks (4 heads of 16 key and 32 value channels, a 4-tap dynamic conv) each closed by Qwen2 attention.
+    "tiny-jet-nemotron": Preset(
+        model_type="jet_nemotron", **dict(TINY, num_hidden_layers=6), rope_theta=1_000_000.0,
+        jet=Jet(pattern="JJ*JJ*", num_heads=4, head_dim=16),
     ),
     # Qwen3.8-Flash-Next (qwen4_exp, `tailreplay_eval.qwen4exp`): tiny-qwen35-moe-vl's build with 4 hyper-connection
     # streams and QSA sparse attention in its full-attention layers, without per-layer embeddings, in bfloat16.
@@ -830,6 +854,13 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
     save_tokenizer(tokenizer, staging, preset.max_position_embeddings, template)  # after (over) the processor's
     if wrapper:
         mark_tokens(staging, wrapper.MARKERS)
+    if preset.jet is not None:  # transformers has no jet_nemotron: no model class to draw the weights
+        num_parameters = jet_nemotron.write_checkpoint(staging, preset, tokenizer.token_to_id(IM_END),
+                                                       tokenizer.token_to_id(ENDOFTEXT), record["seed"],
+                                                       record["dtype"], GDN_MEMORY_TOKENS)
+        generation_config(tokenizer).save_pretrained(staging)
+        _write_marker(staging, record, num_parameters)
+        return
     model = init_model(model_config(preset, tokenizer), record["seed"], record["dtype"])
     if preset.puzzle:
         nemotron_puzzle.with_block_configs(model, nemotron_puzzle.block_configs(preset.mamba2.pattern))
@@ -867,8 +898,12 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         qwen4exp.serving_dtypes(config_file)
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
-    marker = dict(record, num_parameters=model.num_parameters())
+    _write_marker(staging, record, model.num_parameters())
+
+
+def _write_marker(staging: Path, record: dict, num_parameters: int) -> None:
     # Written last: a directory without it is never mistaken for a finished build.
+    marker = dict(record, num_parameters=num_parameters)
     (staging / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 

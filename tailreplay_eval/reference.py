@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import ling, ling25, nemotron_puzzle
+from tailreplay_eval import jet_nemotron, ling, ling25, nemotron_puzzle
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -61,8 +61,11 @@ def load_hf_model(model_path, dtype=torch.float32):
 def load_reference(model_path, dtype=torch.float32):
     """What a served checkpoint is checked against: transformers' model where transformers has the architecture,
     else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`; Nemotron-H Puzzle:
-    transformers' Nemotron-H with per-layer blocks, `nemotron_puzzle.load_reference`)."""
+    transformers' Nemotron-H with per-layer blocks, `nemotron_puzzle.load_reference`; Jet-Nemotron: transformers'
+    Qwen2 with torch JetBlocks, `jet_nemotron.load_reference`)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("architectures") == [jet_nemotron.ARCHITECTURE]:
+        return jet_nemotron.load_reference(Path(model_path), dtype)
     if config.get("architectures") == [ling25.ARCHITECTURE]:
         return load_ling25_reference(Path(model_path), dtype)
     if config.get("model_type") == "bailing_hybrid":

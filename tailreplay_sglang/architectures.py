@@ -13,6 +13,7 @@ that docs/models.md's table says the same.
 
 GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "short_conv"
 HYPER_GDN = "gdn_hc"  # GDN under hyper-connection streams (families/hyper_gdn.py)
+JET = "jet"  # Jet-Nemotron's JetBlock: a gated delta rule over dynamically convolved values (families/jet.py)
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -36,6 +37,8 @@ SERVED = {
     "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
     "NemotronH_Omni_Reasoning_V3": (MAMBA2, "Nemotron-H Omni (Nemotron-H under a RADIO vision tower; images, "
                                            "without its audio tower)"),
+    "JetNemotronForCausalLM": (JET, "Jet-Nemotron (JetBlock: a gated delta rule over dynamically convolved values; "
+                                    "full attention)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
                                                     "hyper-connection streams; without per-layer embeddings)"),
 }
@@ -75,9 +78,7 @@ REFUSED = {
     "NemotronH_Nano_VL_V2": ("Nemotron-H Nano VL: image rows in group 0's input; " + _UNTESTED),
     "NemotronH_Nano_Omni_Reasoning_V3": ("Nemotron-H Nano Omni: image and audio rows in group 0; " + _UNTESTED),
     "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
-    "JetNemotronForCausalLM": ("Jet-Nemotron: JetBlock linear attention (dynamic convolution kernels), not the GDN "
-                               "layer SGLang's list files it under; " + _NO_FAMILY),
-    "JetVLMForConditionalGeneration": ("JetVLM: JetBlock linear attention; " + _NO_FAMILY),
+    "JetVLMForConditionalGeneration": ("JetVLM: Jet-Nemotron under a vision tower; " + _UNTESTED),
     "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "
                         + _NO_FAMILY),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),

@@ -10,6 +10,8 @@ the two capture points below (`Family.install_capture`).
 - `at_stage_boundaries`: models whose layers begin with SGLang's stage boundary, `prepare(hidden_states,
   forward_batch)` (fused add + norm, which leaves the value entering the layer in the residual stream), and are
   called through `.forward` (no module hooks fire): that `prepare` is wrapped on each group's first layer.
+- `at_decoder_layer_inputs`: pre-hooks on decoder layers called `layer(positions, hidden_states, forward_batch)`
+  whose `hidden_states` is the whole residual stream and whose mixer is called with keywords (Jet-Nemotron).
 - `at_layer_keyword_inputs`: keyword pre-hooks on decoder layers the model calls with keywords only
   (`layer(layer_id=i, positions=..., hidden_states=..., residual=..., forward_batch=...)`, LFM2) and whose
   `hidden_states` is the whole residual stream entering the layer.
@@ -46,6 +48,22 @@ def _capture_group_input(store: HiddenStore, first_layer: int, module, args):
 
 def _capture_layer_input(store: HiddenStore, first_layer: int, module, args):
     write_rows(store, first_layer, args[2], args[1])  # layer(positions, hidden_states, forward_batch)
+
+
+def _capture_layer_tokens(store: HiddenStore, module, args):
+    write_rows(store, None, args[2], None)  # layer(positions, hidden_states, forward_batch)
+
+
+def at_decoder_layer_inputs(layers, store: HiddenStore) -> list:
+    """Pre-hooks on the decoder layers, for models whose layers carry the whole residual stream in `hidden_states`,
+    are called positionally and call their mixer with keywords (Jet-Nemotron): the tokens on group 0's first layer,
+    each stored group's input on its first layer; returns the handles."""
+    first = store.layout.groups[0].first_layer
+    handles = [layers[first].register_forward_pre_hook(partial(_capture_layer_tokens, store))]
+    for group in store.layout.stored_groups:
+        hook = partial(_capture_layer_input, store, group.first_layer)
+        handles.append(layers[group.first_layer].register_forward_pre_hook(hook))
+    return handles
 
 
 def at_mixer_inputs(layers, store: HiddenStore, mixer: str) -> list:

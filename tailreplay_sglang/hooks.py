@@ -195,6 +195,17 @@ INTERVAL_ANCHORS = (
          "every Mamba2 mixer's forward (every device): its scan returns the per-chunk states on a grid over the packed "
          "batch, which holds the planned anchors' SSM states; their conv states are the input rows before them",
          bound=True),
+    Hook(f"{_SRT}.models.jet_nemotron.JetBlock.forward", "around", f"{_PKG}.families.jet:track_planned_extend",
+         "Jet-Nemotron's JetBlock (every device): in a prefill with planned anchors, the two rows below learn the "
+         "layer's conv pool and the batch layout", bound=True),
+    Hook(f"{_SRT}.models.jet_nemotron.DynamicShortConvolution.forward", "around",
+         f"{_PKG}.families.jet:write_anchor_conv_states",
+         "JetBlock's dynamic conv: the planned anchors' windows are its raw value rows before each offset, read "
+         "before JetBlock writes the slots' new windows", bound=True),
+    Hook(f"{_SRT}.models.jet_nemotron.fused_recurrent_gated_delta_rule_update", "around",
+         f"{_PKG}.families.jet:write_anchor_ssm_states",
+         "JetBlock's delta rule, one token-serial call per layer with no per-chunk states: the planned anchors' "
+         "states by state-only passes up to each offset, before the request's own call", bound=True),
     Hook(f"{_CACHE}.checkpoint_into_tree", "after", f"{_PKG}.lifecycle:insert_interval_anchors",
          "the request's KV is in the tree and its row holds the tree's indices: an anchor can be inserted at its "
          "depth without freeing anything as a duplicate", bound=True),

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import (GDN, HYPER_GDN, KDA, LIGHTNING, MAMBA2,  # noqa: F401 (re-exported)
+from tailreplay_sglang.architectures import (GDN, HYPER_GDN, JET, KDA, LIGHTNING, MAMBA2,  # noqa: F401 (re-exported)
                                              SHORT_CONV, family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -38,7 +38,8 @@ PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 BLOCK_KINDS = {"mamba": LINEAR, "attention": FULL, "linear_attention": LINEAR, "full_attention": FULL, "mlp": MLP,
                "moe": MOE, "conv": LINEAR,  # conv: LFM2's short-conv layers
                # Qwen3.8-Flash-Next's QSA layers: full attention with an indexer, whose cache is per token like the KV
-               "indexed_attention": FULL, "qwen_sparse_attention": FULL}
+               "indexed_attention": FULL, "qwen_sparse_attention": FULL,
+               "jet": LINEAR, "attn": FULL}  # Jet-Nemotron's JetBlock and attention layers
 PARALLEL_HYBRIDS = ("FalconH1ForCausalLM",)  # attention and Mamba2 side by side in every layer
 
 
@@ -175,6 +176,10 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          "short_conv_kernel_size; this one has none (its layers would be built as lightning "
                          "attention, Ling-2.5's mixer, which SGLang serves as BailingMoeV2_5ForCausalLM). "
                          f"Supported: {SUPPORTED}")
+    if "JetNemotronForCausalLM" in architectures and "swa" in (getattr(text_config, "layer_types", None) or ()):
+        raise ValueError("--enable-tail-replay does not serve Jet-Nemotron checkpoints with sliding-window attention "
+                         "layers (layer_types 'swa') yet: SGLang's hybrid SWA pools beside the JetBlock states are "
+                         f"untested with Tail-Replay. Supported: {SUPPORTED}")
     if "BailingMoeV2_5ForCausalLM" in architectures:
         _refuse_unsupported_lightning(text_config)
     if is_parallel_hybrid(architectures):

@@ -40,6 +40,9 @@ E_TEST = "tests/test_dp_collectives.py::test_steps_without_a_replay_anywhere_ski
 # A Ling-2.5 fork hit (tiny-ling-2.5; "fork-anchor"): replayed from an interval anchor, then HF's greedy on a later hit
 LING25_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
                "[tiny-ling-2.5-{}]")
+# A Jet-Nemotron fork hit (tiny-jet-nemotron; "fork-anchor"): replayed from an interval anchor
+JET_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
+            "[tiny-jet-nemotron-{}]")
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
@@ -328,6 +331,15 @@ MUTANTS = (
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)",
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id - 1]).to(x.device, non_blocking=True)",
            (LING25_FORK.format("560-512"),), server=True),
+    Mutant("jet-anchor-unwritten", "Jet-Nemotron's interval anchors keep the state the sequence started from: no "
+           "state-only pass up to the anchor", "tailreplay_sglang/families/jet.py",
+           "            if offset > done:\n", "            if offset < done:\n",
+           (JET_FORK.format("300-256"),), server=True),
+    Mutant("jet-window-cleared", "Jet-Nemotron's replay convolves a tail's first values with a cleared window instead "
+           "of the anchor's", "tailreplay_sglang/families/jet.py",
+           "    inputs, window = block_inputs(block, h, conv[slots], seq_lens)",
+           "    inputs, window = block_inputs(block, h, torch.zeros_like(conv[slots]), seq_lens)",
+           (JET_FORK.format("300-256"),), server=True),
     # Issue 63 item 2: the host tier's staging area under CUDA graphs (contract tests under the graph stand-in)
     Mutant("staging-no-reset", "a flushed staging area keeps its slot ids, so a later replay that staged nothing "
            "applies its rows again", "tailreplay_sglang/store/staging.py",

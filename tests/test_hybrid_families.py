@@ -18,7 +18,12 @@ runs once per family (a module-scoped parametrized fixture):
 - `tiny-ling-2.5` (Ling-2.5, `BailingMoeV2_5ForCausalLM`: lightning attention and ungated MLA with RoPE): its
   reference (`tailreplay_eval.ling25`) is the same Kimi Linear body with a torch lightning mixer (float64
   recurrence) in each linear layer. Its interval anchors are the closed form of the fixed-decay state
-  (`families.lightning.write_anchor_states`).
+  (`families.lightning.write_anchor_states`);
+- `tiny-jet-nemotron` (Jet-Nemotron, `JetNemotronForCausalLM`: JetBlock, a gated delta rule over values passed
+  through a per-token generated conv, and Qwen2 attention, config and names as NVlabs ships them): transformers has
+  no Jet-Nemotron, so its reference (`tailreplay_eval.jet_nemotron`) is transformers' Qwen2 with a torch JetBlock in
+  each jet layer. Its interval anchors are taken beside the token-serial prefill kernel (`families.jet`), its conv
+  windows kept in float32 (SGLANG_MAMBA_CONV_DTYPE, as tests/test_lfm2.py explains).
 
 All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
 Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
@@ -34,7 +39,7 @@ prompt (one prefill chunk) replays [256, 300) from the anchor at 256.
 import concurrent.futures
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate,
                      max_error, no_cache, random_ids, scored, start_server, start_servers)
@@ -54,7 +59,10 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
 
 
 FAMILIES = ("tiny-nemotron-h", "tiny-nemotron-h-puzzle", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0",
-            "tiny-ling-2.5")
+            "tiny-ling-2.5", "tiny-jet-nemotron")
+# Environment per model: Jet-Nemotron's conv windows in float32 (SGLang keeps the mamba conv pool in bfloat16, which
+# rounds a window at every chunk end and anchor)
+ENV = {"tiny-jet-nemotron": {"SGLANG_MAMBA_CONV_DTYPE": "float32"}}
 # Models whose GPU-default path is another's here: Nemotron-H Puzzle is tiny-nemotron-h's family and scheduling with
 # per-layer MoE sizes, which the anchored server's tests cover (one server start less in CI)
 SAME_PRODUCTION_PATH = ("tiny-nemotron-h-puzzle",)
@@ -67,7 +75,9 @@ def model_path(request):
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    return load_reference(model_path), AutoTokenizer.from_pretrained(model_path)
+    # the class every build's tokenizer_config names; AutoTokenizer would read config.json, whose model type
+    # (jet_nemotron) transformers lacks
+    return load_reference(model_path), PreTrainedTokenizerFast.from_pretrained(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +87,11 @@ def servers(model_path, tmp_path_factory):
     server: a request after /flush_cache is SGLang's own forward (the plugin only reads it), a hit on the state kept
     where a request's prefill ended is what a stock hit is; so is the paper's zero-init tail, which it takes where
     no state lies within the exact budget."""
-    specs = {"anchored": Spec(model_path, MECHANICS)}
+    env = ENV.get(model_path.name)
+    specs = {"anchored": Spec(model_path, MECHANICS, env)}
     if model_path.name not in SAME_PRODUCTION_PATH:
         specs["production"] = Spec(model_path, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
-                                   kwargs={"gpu_scheduling": True})
+                                   env, kwargs={"gpu_scheduling": True})
     yield from start_servers(tmp_path_factory, specs)
 
 

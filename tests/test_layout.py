@@ -246,3 +246,24 @@ def test_nemotron_h_omni_groups_and_its_audio_refusal(tmp_path):
     (audio / "config.json").write_text(json.dumps(dict(config, sound_config={"hidden_size": 32})))
     with pytest.raises(ValueError, match="audio tower"):
         HybridLayout.from_model_path(str(audio))
+
+
+def test_jet_nemotron_groups_from_its_layer_types_and_its_swa_refusal(tmp_path):
+    """Jet-Nemotron as NVlabs writes it: `layer_types` of jet (JetBlock) and attn, so jet jet attn jet jet attn is two
+    groups, the second fed by attention layer 2's output. Sliding-window layers (`swa`, as Jet-Nemotron-2B has) are
+    refused at start-up."""
+    import json
+
+    import pytest
+
+    from tailreplay_sglang.layout import JET
+
+    config = {"architectures": ["JetNemotronForCausalLM"], "hidden_size": 64, "num_hidden_layers": 6,
+              "layer_types": ["jet", "jet", "attn", "jet", "jet", "attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lay = HybridLayout.from_model_path(str(tmp_path))
+    assert lay.mixer == JET and [g.recurrent_layers for g in lay.groups] == [(0, 1), (3, 4)]
+    assert [g.first_layer for g in lay.stored_groups] == [3]
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_types=["jet", "swa", "attn"] * 2)))
+    with pytest.raises(ValueError, match="sliding-window"):
+        HybridLayout.from_model_path(str(tmp_path))

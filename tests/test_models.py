@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -150,3 +151,69 @@ def test_olmo_hybrid_checkpoint_names_map_onto_our_parameters():
     assert ours(layer + "linear_attn.k_proj.weight") == (layer + "linear_attn.qkv_proj.weight", 1)
     assert ours(layer + "linear_attn.g_proj.weight") == layer + "linear_attn.g_proj.weight"
     assert ours(layer + "mlp.up_proj.weight") == (layer + "mlp.gate_up_proj.weight", 1)
+
+
+@pytest.fixture(scope="module")
+def jet(tmp_path_factory):
+    return build_model("tiny-jet-nemotron", tmp_path_factory.mktemp("models") / "tiny-jet-nemotron")
+
+
+def test_sglang_reads_the_jet_nemotron_build_as_nvlabs_config(jet):
+    """SGLang's own config class reads the hand-written config.json (JetBlockConfig takes exactly its eight fields),
+    with JetBlocks at 0, 1, 3, 4 and the conv / SSM state shapes its pool allots; the build stays tiny."""
+    from sglang.srt.configs.jet_nemotron import JetBlockConfig, JetNemotronConfig
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    config = get_config(str(jet), trust_remote_code=False)
+    assert type(config) is JetNemotronConfig and config.architectures == ["JetNemotronForCausalLM"]
+    assert config.linear_layer_ids == [0, 1, 3, 4] and config.full_attention_layer_ids == [2, 5]
+    JetBlockConfig(**config.efficient_attention_config["jet"])
+    with get_parallel().override(attn_tp_size=1):
+        shape = config.mamba2_cache_params.shape
+    assert shape.temporal == (4, 32, 16) and shape.conv == [(128 + 2 * 64, 3)]  # [HV, V, K]; JetBlock uses 128
+    marker = json.loads((jet / BUILD_MARKER).read_text())
+    assert marker["num_parameters"] == sum(t.numel() for t in load_file(jet / "model.safetensors").values())
+    assert marker["num_parameters"] < 1_000_000
+    assert json.loads((jet / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+
+
+def test_jet_nemotron_heads_remember_tens_to_hundreds_of_tokens(jet):
+    """Each JetBlock's heads forget over 1 / (exp(A_log) softplus(dt_bias)) tokens, log-spaced over the GDN presets'
+    memories, with A itself away from 1 (a reader that drops A_log is wrong)."""
+    from tailreplay_eval.models import GDN_MEMORY_TOKENS
+
+    weights = load_file(jet / "model.safetensors")
+    for layer in (0, 1, 3, 4):
+        a = f"model.layers.{layer}.self_attn."
+        memory = 1 / (weights[a + "A_log"].exp() * torch.nn.functional.softplus(weights[a + "dt_bias"]))
+        assert torch.allclose(memory, torch.logspace(*(math.log10(t) for t in GDN_MEMORY_TOKENS), 4), rtol=1e-3)
+        assert (weights[a + "A_log"].exp() > 1).all()
+
+
+def test_jet_nemotron_reference_decodes_as_it_scores_and_feels_a_dropped_state(jet, monkeypatch):
+    """The reference (`jet_nemotron.load_reference`, strict over the checkpoint): its greedy tokens are the argmax of
+    its own whole-sequence logits, and restarting every JetBlock from zero 64 tokens before the end (conv window and
+    delta-rule state; attention unchanged) moves those tokens' log-probs by more than 0.05 nats: a replay that drops
+    or misplaces a state shows."""
+    from tailreplay_eval import jet_nemotron
+    from tailreplay_eval.reference import greedy_generate, load_reference, prompt_logprobs
+
+    model = load_reference(jet)
+    ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens = greedy_generate(model, ids[:40], 6)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:40] + tokens])).logits[0, 39:-1]
+    assert logits.argmax(-1).tolist() == tokens
+    whole = prompt_logprobs(model, ids)
+    forward, cut = jet_nemotron.TorchJetBlock.forward, 236
+
+    def restarted(self, hidden_states, **unused):
+        head, _ = forward(self, hidden_states[:, :cut])
+        tail, _ = forward(self, hidden_states[:, cut:])
+        return torch.cat([head, tail], dim=1), None
+
+    monkeypatch.setattr(jet_nemotron.TorchJetBlock, "forward", restarted)
+    dropped = prompt_logprobs(model, ids)
+    assert whole[:cut - 1] == pytest.approx(dropped[:cut - 1], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(whole[cut - 1:], dropped[cut - 1:])) > 0.05

@@ -25,6 +25,9 @@ CPU_ENGINE = (
          "Ling-2.5's lightning layers norm q and k per head with this Triton function, called directly"),
     Hook("sglang.kernels.ops.attention.linear.seg_la.seg_la_fwd", "replace", f"{_PKG}.lightning:seg_la_fwd",
          "Ling-2.5's lightning attention (prefill, decode, extra_buffer's tracking) is this Triton kernel"),
+    Hook(f"{_FLA}.fused_recurrent.fused_recurrent_gated_delta_rule_update", "replace",
+         f"{_PKG}.jet:fused_recurrent_update", "Jet-Nemotron's JetBlock delta rule (prefill and decode) is this "
+         "Triton kernel"),
     Hook("sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add", "replace",
          f"{_PKG}.fused:gate_sigmoid_mul_add_", "the Qwen-MoE shared-expert gate goes to Triton"),
     Hook(f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend", "around",
