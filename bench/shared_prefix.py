@@ -18,10 +18,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoTokenizer
 
 from tailreplay_eval.client import chat_ids, document, stream_generate
-from tailreplay_eval.models import build_model
+from tailreplay_eval.models import build_model, load_tokenizer
 from tailreplay_eval.server import ServerProcess, cpu_serving_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +76,7 @@ def main(argv=None):
 
     console = Console(width=150)
     model_path = Path(args.model_path) if args.model_path else build_model(args.preset, ROOT / "models" / args.preset)
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     if args.server_args is None:
         args.server_args = f"--dtype {cpu_serving_dtype(model_path)}"
     out = Path(args.out)

@@ -43,9 +43,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoTokenizer
 
 from tailreplay_eval import harness, memory
+from tailreplay_eval.models import load_tokenizer
 from tailreplay_eval.client import chat_ids, document, stream_generate
 
 CONFIGS = {"Tail-Replay": ("--enable-tail-replay",), "stock": (), "no cache": ("--disable-radix-cache",),
@@ -345,7 +345,7 @@ def main(argv=None):
     out, model_path, urls = run.out, run.model_path, run.urls
     configs = ({label: None for label in urls} if urls else
                {c: (*run.server_args, *CONFIGS[c]) for c in args.configs})
-    ctx = Ctx(args, model_path, AutoTokenizer.from_pretrained(model_path), harness.vocab_size(model_path), out)
+    ctx = Ctx(args, model_path, load_tokenizer(model_path), harness.vocab_size(model_path), out)
     if urls:
         results = run_all(ctx, {label: u["url"] for label, u in urls.items()}, console)
     else:

@@ -362,6 +362,11 @@ def _mamba2_form(config: dict) -> tuple[int, int, int, int, int, int]:
     if kda := _kda_dims(config):
         heads, head_dim, conv_width = kda
         return heads * head_dim, heads, heads, head_dim, head_dim, conv_width
+    if "jet" in config.get("efficient_attention_config", {}):  # Jet-Nemotron (configs/jet_nemotron.py): GDN's form
+        jet = config["efficient_attention_config"]["jet"]  # over its value heads; JetBlock uses the v channels only
+        heads, head_k = jet["num_heads"], jet["head_dim"]
+        head_v = int(head_k * jet["expand_v"])
+        return heads * head_v, heads, heads, head_v, head_k, jet["conv_size"]
     if "conv_L_cache" in config:  # LFM2's short conv: a conv over the hidden size, no SSM state
         return config["hidden_size"], 0, 0, 0, 0, config["conv_L_cache"]
     if "layer_group_size" in config:  # BailingHybridConfig.mamba2_cache_params without KDA: conv_kernel 1

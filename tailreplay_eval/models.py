@@ -446,6 +446,14 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int,
 # --- model -------------------------------------------------------------------------------------------------------
 
 
+def load_tokenizer(model_path):
+    """A checkpoint's tokenizer, as its tokenizer files describe it. Given an empty config, transformers does not read
+    config.json, which it cannot for a model type it lacks (Jet-Nemotron's `jet_nemotron`, which SGLang serves)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, config=PretrainedConfig())
+
+
 def mark_tokens(out_dir: Path, markers: dict[str, str]) -> None:
     """A vision wrapper's processor finds its marker tokens as tokenizer attributes (`tokenizer.image_token`), which
     transformers reads from tokenizer_config.json's `extra_special_tokens`; `save_tokenizer` writes none."""

@@ -331,9 +331,9 @@ MUTANTS = (
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)",
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id - 1]).to(x.device, non_blocking=True)",
            (LING25_FORK.format("560-512"),), server=True),
-    Mutant("jet-anchor-unwritten", "Jet-Nemotron's interval anchors keep the state the sequence started from: no "
-           "state-only pass up to the anchor", "tailreplay_sglang/families/jet.py",
-           "            if offset > done:\n", "            if offset < done:\n",
+    Mutant("jet-anchor-unwritten", "Jet-Nemotron's interval anchors keep their slot's cleared state: the state "
+           "where the anchor's round ends is not copied into it", "tailreplay_sglang/families/jet.py",
+           "            states[dst] = states[slot]\n", "            pass\n",
            (JET_FORK.format("300-256"),), server=True),
     Mutant("jet-window-cleared", "Jet-Nemotron's replay convolves a tail's first values with a cleared window instead "
            "of the anchor's", "tailreplay_sglang/families/jet.py",

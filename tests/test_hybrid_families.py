@@ -22,8 +22,8 @@ runs once per family (a module-scoped parametrized fixture):
 - `tiny-jet-nemotron` (Jet-Nemotron, `JetNemotronForCausalLM`: JetBlock, a gated delta rule over values passed
   through a per-token generated conv, and Qwen2 attention, config and names as NVlabs ships them): transformers has
   no Jet-Nemotron, so its reference (`tailreplay_eval.jet_nemotron`) is transformers' Qwen2 with a torch JetBlock in
-  each jet layer. Its interval anchors are taken beside the token-serial prefill kernel (`families.jet`), its conv
-  windows kept in float32 (SGLANG_MAMBA_CONV_DTYPE, as tests/test_lfm2.py explains).
+  each jet layer. Its interval anchors are taken from the token-serial prefill kernel run in rounds
+  (`families.jet`); its conv windows in the model's dtype, as the CPU port sets SGLang's conv pool for Jet.
 
 All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
 Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
@@ -39,12 +39,11 @@ prompt (one prefill chunk) replays [256, 300) from the anchor at 256.
 import concurrent.futures
 
 import pytest
-from transformers import PreTrainedTokenizerFast
 
 from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate,
                      max_error, no_cache, random_ids, scored, start_server, start_servers)
 from soak import pool_leaks, wait_idle
-from tailreplay_eval.models import build_model
+from tailreplay_eval.models import build_model, load_tokenizer
 from tailreplay_eval.reference import greedy_generate, load_hf_model, load_reference, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 
@@ -60,9 +59,6 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
 
 FAMILIES = ("tiny-nemotron-h", "tiny-nemotron-h-puzzle", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0",
             "tiny-ling-2.5", "tiny-jet-nemotron")
-# Environment per model: Jet-Nemotron's conv windows in float32 (SGLang keeps the mamba conv pool in bfloat16, which
-# rounds a window at every chunk end and anchor)
-ENV = {"tiny-jet-nemotron": {"SGLANG_MAMBA_CONV_DTYPE": "float32"}}
 # Models whose GPU-default path is another's here: Nemotron-H Puzzle is tiny-nemotron-h's family and scheduling with
 # per-layer MoE sizes, which the anchored server's tests cover (one server start less in CI)
 SAME_PRODUCTION_PATH = ("tiny-nemotron-h-puzzle",)
@@ -75,9 +71,7 @@ def model_path(request):
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    # the class every build's tokenizer_config names; AutoTokenizer would read config.json, whose model type
-    # (jet_nemotron) transformers lacks
-    return load_reference(model_path), PreTrainedTokenizerFast.from_pretrained(model_path)
+    return load_reference(model_path), load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +81,10 @@ def servers(model_path, tmp_path_factory):
     server: a request after /flush_cache is SGLang's own forward (the plugin only reads it), a hit on the state kept
     where a request's prefill ended is what a stock hit is; so is the paper's zero-init tail, which it takes where
     no state lies within the exact budget."""
-    env = ENV.get(model_path.name)
-    specs = {"anchored": Spec(model_path, MECHANICS, env)}
+    specs = {"anchored": Spec(model_path, MECHANICS)}
     if model_path.name not in SAME_PRODUCTION_PATH:
         specs["production"] = Spec(model_path, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
-                                   env, kwargs={"gpu_scheduling": True})
+                                   kwargs={"gpu_scheduling": True})
     yield from start_servers(tmp_path_factory, specs)
 
 

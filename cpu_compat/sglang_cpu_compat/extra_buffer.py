@@ -42,12 +42,21 @@ def pin_memory_is_identity() -> None:
     torch.Tensor.pin_memory = pin_memory
 
 
+# Models whose own forward writes its conv windows into the pool with an indexed assignment, which needs the pool's
+# dtype: a float32 Jet-Nemotron over SGLang's bfloat16 conv pool raised "Index put requires the source and
+# destination dtypes match" at its first prefill
+_WRITES_WINDOWS_IN_MODEL_DTYPE = ("JetNemotronForCausalLM",)
+
+
 def conv_dtype_follows_model(runner, *args, **kwargs):
-    """BEFORE `ModelRunner.alloc_memory_pool`: under extra_buffer, unless `SGLANG_MAMBA_CONV_DTYPE` is set, the conv
-    pool takes the model's dtype (SGLang reads the variable when it builds the pool, just after this)."""
+    """BEFORE `ModelRunner.alloc_memory_pool`: under extra_buffer, and for the models above, unless
+    `SGLANG_MAMBA_CONV_DTYPE` is set, the conv pool takes the model's dtype (SGLang reads the variable when it builds
+    the pool, just after this)."""
     from sglang.srt.runtime_context import get_exec
 
-    if get_exec().mamba.enable_mamba_extra_buffer:  # SGLang's resolved strategy (`auto` is resolved by now)
+    architectures = getattr(runner.model_config.hf_config, "architectures", None) or ()
+    # SGLang's resolved strategy (`auto` is resolved by now)
+    if get_exec().mamba.enable_mamba_extra_buffer or set(architectures) & set(_WRITES_WINDOWS_IN_MODEL_DTYPE):
         default_mamba_conv_dtype(str(runner.model_config.dtype).removeprefix("torch."))
 
 

@@ -54,8 +54,8 @@ CPU_ENGINE = (
          f"{_PKG}.extra_buffer:platform_supports_extra_buffer",
          "SGLang's GPU default strategy (extra_buffer) lists GPU platforms only; the CPU ops give it what it reads"),
     Hook(f"{_RUNNER}.alloc_memory_pool", "before", f"{_PKG}.extra_buffer:conv_dtype_follows_model",
-         "extra_buffer index-puts activations into the conv pool, which must then have the model's dtype (bfloat16 "
-         "by default, what GPU models run in; CPU models run in float32 or float16)"),
+         "extra_buffer (and Jet-Nemotron's own forward) index-puts activations into the conv pool, which must then "
+         "have the model's dtype (bfloat16 by default, what GPU models run in; CPU models run in float32 or float16)"),
     Hook(f"{_SRT}.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes", "around",
          f"{_PKG}.memory_profile:budget_from_own_load",
          "the KV budget charges the drop in free memory during the load as weights; on a CPU that is the machine's "
