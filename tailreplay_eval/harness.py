@@ -22,6 +22,7 @@ import requests
 
 from tailreplay_eval.models import build_model
 from tailreplay_eval.server import ServerProcess, flush_cache  # noqa: F401  (flush_cache: re-exported)
+from tailreplay_sglang.layout import text_config_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +114,7 @@ def running_servers(model_path: Path, configs: dict[str, tuple], log_stem: Path,
 
 def vocab_size(model_path: Path) -> int:
     raw = json.loads((Path(model_path) / "config.json").read_text())
-    return raw.get("text_config", raw)["vocab_size"]
+    return text_config_of(raw)["vocab_size"]
 
 
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -57,7 +57,7 @@ from tailreplay_sglang.architectures import REFUSED
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
 from tailreplay_sglang.layout import (BLOCK_KINDS, FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid,
-                                     layer_kinds)
+                                      layer_kinds, text_config_of)
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def _text_config(model_path: Path) -> dict:
     """The text part of a checkpoint's config.json. A vision-language checkpoint keeps its dtype (and maybe
     `mamba_ssm_dtype`) at the top level, which SGLang reads there: those come along."""
     raw = json.loads((Path(model_path) / "config.json").read_text())
-    text = dict(raw.get("text_config", raw))
+    text = dict(text_config_of(raw))
     for key in ("architectures", "dtype", "torch_dtype", "mamba_ssm_dtype"):
         if key not in text and key in raw:
             text[key] = raw[key]

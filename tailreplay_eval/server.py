@@ -18,6 +18,7 @@ from pathlib import Path
 import requests
 
 from tailreplay_eval.preforked import ForkedProcess, Preforker  # noqa: F401 (annotations)
+from tailreplay_sglang.layout import text_config_of
 
 # What serves a hybrid GDN model on a CPU without sgl-kernel's CPU build (docs/cpu.md explains each flag).
 BASE_FLAGS = (
@@ -40,7 +41,7 @@ CPU_FLAGS = BASE_FLAGS + NO_BUFFER_FLAGS
 def _text_config(model_path) -> dict:
     config_file = Path(model_path) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return config.get("text_config", config.get("llm_config", config))  # llm_config: NVIDIA's VL wrappers
+    return text_config_of(config)
 
 
 def cpu_serving_dtype(model_path) -> str:

@@ -204,8 +204,8 @@ INTERVAL_ANCHORS = (
          "before JetBlock writes the slots' new windows", bound=True),
     Hook(f"{_SRT}.models.jet_nemotron.fused_recurrent_gated_delta_rule_update", "around",
          f"{_PKG}.families.jet:write_anchor_ssm_states",
-         "JetBlock's delta rule, one token-serial call per layer with no per-chunk states: the planned anchors' "
-         "states by state-only passes up to each offset, before the request's own call", bound=True),
+         "JetBlock's delta rule, one token-serial call per layer with no per-chunk states: run in rounds cut at the "
+         "planned anchors, whose states are copied out of the slots where their rounds end", bound=True),
     Hook(f"{_CACHE}.checkpoint_into_tree", "after", f"{_PKG}.lifecycle:insert_interval_anchors",
          "the request's KV is in the tree and its row holds the tree's indices: an anchor can be inserted at its "
          "depth without freeing anything as a duplicate", bound=True),

@@ -116,7 +116,7 @@ class HybridLayout:
         config_file = Path(model_path) / "config.json"
         if config_file.exists():  # local checkpoint: no transformers import needed at flag-parsing time
             raw = json.loads(config_file.read_text())
-            text = raw.get("text_config") or raw.get("llm_config") or raw
+            text = text_config_of(raw)
             _refuse_unsupported_mixers(raw.get("architectures") or (), ConfigAttrs(text))
             vision = raw.get("vision_config")
             _refuse_audio(raw.get("sound_config") or raw.get("audio_config"))
@@ -152,6 +152,12 @@ def _refuse_audio(audio_config) -> None:
     if audio_config:
         raise ValueError("--enable-tail-replay does not serve checkpoints with an audio tower yet (this config has "
                          "sound_config / audio_config): audio rows are not tested. Supported: " + SUPPORTED)
+
+
+def text_config_of(raw: dict) -> dict:
+    """The language model's part of a config.json: `text_config` (vision-language checkpoints), `llm_config`
+    (NVIDIA's Nemotron-H VL and Omni), else the whole of it."""
+    return raw.get("text_config") or raw.get("llm_config") or raw
 
 
 class ConfigAttrs:

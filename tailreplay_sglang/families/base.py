@@ -154,6 +154,20 @@ def layer_requirements(model, layer_ids, paths, where: str = "model.layers") -> 
     return [(model.layers[i], path, f"{where}[{i}]") for i in layer_ids for path in paths]
 
 
+FEED_FORWARD = ("mlp", "post_attention_layernorm")  # a pre-norm decoder layer's feed-forward block and its norm
+
+
+def replayed_layer_requirements(model, layout, paths_of, feed_forward=FEED_FORWARD) -> list[tuple[object, str, str]]:
+    """`paths_of(layer_id)` on every recurrent layer of every group, and `feed_forward` on each but a group's last:
+    the replay computes only the last one's states, never its output."""
+    needs = []
+    for group in layout.groups:
+        for layer_id in group.recurrent_layers:
+            paths = tuple(paths_of(layer_id)) + (feed_forward if layer_id != group.recurrent_layers[-1] else ())
+            needs += layer_requirements(model, [layer_id], paths)
+    return needs
+
+
 def tp_reduced(partial: torch.Tensor, linear) -> torch.Tensor:
     """Output projections, MLPs and MoE blocks built with reduce_results=False leave the TP sum to the layer's
     communicator in the model's forward. The replay calls them directly, so it reduces them itself, over the group

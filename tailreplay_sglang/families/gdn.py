@@ -16,7 +16,7 @@ bodies.
 import torch
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements, tp_reduced
+from tailreplay_sglang.families.base import Family, ReplayBatch, replayed_layer_requirements, tp_reduced
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
 from tailreplay_sglang.ops.gdn import gdn_gating
 
@@ -25,7 +25,6 @@ _QWEN_INPUTS = ("linear_attn._forward_input_proj", "linear_attn.fix_query_key_va
 _OWN_INPUTS = ("linear_attn.project", "linear_attn.output")  # models whose GDN module projects itself (OLMo-Hybrid)
 _CORE = ("input_layernorm", "linear_attn.attn.conv_weights", "linear_attn.attn.bias", "linear_attn.A_log",
          "linear_attn.dt_bias")
-_FEED_FORWARD = ("mlp", "post_attention_layernorm")
 
 
 class GdnFamily(Family):
@@ -55,15 +54,10 @@ class GdnFamily(Family):
         return [model.layers[i].mlp for group in layout.groups for i in group.recurrent_layers[:-1]]
 
     def required(self, model, layout) -> list:
-        needs = []
-        for group in layout.groups:
-            for layer_id in group.recurrent_layers:
-                own = hasattr(getattr(model.layers[layer_id], "linear_attn", None), "project")
-                paths = _CORE + (_OWN_INPUTS if own else _QWEN_INPUTS)
-                if layer_id != group.recurrent_layers[-1]:
-                    paths += _FEED_FORWARD
-                needs += layer_requirements(model, [layer_id], paths)
-        return needs
+        def paths(layer_id):
+            own = hasattr(getattr(model.layers[layer_id], "linear_attn", None), "project")
+            return _CORE + (_OWN_INPUTS if own else _QWEN_INPUTS)
+        return replayed_layer_requirements(model, layout, paths)
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):

@@ -21,7 +21,7 @@ per-request states that the replay does not rebuild yet; a checkpoint with PLE l
 import torch
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import ReplayBatch, layer_requirements
+from tailreplay_sglang.families.base import ReplayBatch, replayed_layer_requirements
 from tailreplay_sglang.families.gdn import GdnFamily, gdn_inputs
 from tailreplay_sglang.kernels.replay import replay_gdn_layer
 from tailreplay_sglang.ops.gdn import gdn_gating
@@ -48,12 +48,7 @@ class HyperGdnFamily(GdnFamily):
         return replay_layer(layer, cache, x, batch, state_only)
 
     def required(self, model, layout) -> list:
-        needs = []
-        for group in layout.groups:
-            for layer_id in group.recurrent_layers:
-                paths = _MIXER + (_FEED_FORWARD if layer_id != group.recurrent_layers[-1] else ())
-                needs += layer_requirements(model, [layer_id], paths)
-        return needs
+        return replayed_layer_requirements(model, layout, lambda layer_id: _MIXER, _FEED_FORWARD)
 
 
 def replay_layer(layer, cache, x: torch.Tensor, batch: ReplayBatch, state_only: bool):

@@ -18,9 +18,8 @@ read), so the anchors are taken beside it, from the values the layer computes an
 - conv half: the K - 1 raw v rows before each offset, from the dynamic conv's own input, before JetBlock writes the
   new window (`IntervalAnchors.write_conv_states`, GDN's writer);
 - SSM half: the request's kernel call runs in rounds cut at the anchors, as a chunked prefill would run it, and each
-  anchor's state is copied out of the slot where its round ends (`run_in_rounds`). No extra work: an earlier version
-  ran state-only passes up to each anchor beside the untouched call, which took a 2,800-token cold prefill on this
-  CPU from 1.6 s to 2.95 s (the port's delta rule is a token-serial loop).
+  anchor's state is copied out of the slot where its round ends (`run_in_rounds`): no work beyond the prefill's own
+  (state-only passes beside the call would cost one more recurrence over the prefix; docs/models.md).
 JetBlock's forward tells the two inner hooks which layer's pool and which batch they are in (`_EXTEND`).
 """
 
@@ -32,14 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements
+from tailreplay_sglang.families.base import FEED_FORWARD, Family, ReplayBatch, replayed_layer_requirements
 
 _KERNEL = "fused_recurrent_gated_delta_rule_update"  # as the model module binds it (Triton, or the CPU port)
 _MODULE = "sglang.srt.models.jet_nemotron"
 _BLOCK = ("input_layernorm", "self_attn.qkvabz_proj", "self_attn.dynamic_conv1d", "self_attn.A_log",
           "self_attn.dt_bias", "self_attn.total_k_dim", "self_attn.total_v_dim", "self_attn.num_heads",
           "self_attn.head_k_dim", "self_attn.head_v_dim")
-_OUTPUT = ("self_attn.o_norm", "self_attn.o_proj", "mlp", "post_attention_layernorm")
+_OUTPUT = ("self_attn.o_norm", "self_attn.o_proj") + FEED_FORWARD
 
 
 class JetFamily(Family):
@@ -56,12 +55,7 @@ class JetFamily(Family):
             x = replay_layer(model.layers[layer_id], pool.mamba2_layer_cache(layer_id), x, batch, last)
 
     def required(self, model, layout) -> list:
-        needs = []
-        for group in layout.groups:
-            for layer_id in group.recurrent_layers:
-                paths = _BLOCK + (_OUTPUT if layer_id != group.recurrent_layers[-1] else ())
-                needs += layer_requirements(model, [layer_id], paths)
-        return needs
+        return replayed_layer_requirements(model, layout, lambda layer_id: _BLOCK, _OUTPUT)
 
     def required_kernels(self) -> tuple[str, ...]:
         return (f"{_MODULE}:{_KERNEL}",)

@@ -17,7 +17,8 @@ planned.
 import torch
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements, reduction_owner, tp_reduced
+from tailreplay_sglang.families.base import (Family, ReplayBatch, layer_requirements, reduction_owner,
+                                             replayed_layer_requirements, tp_reduced)
 from tailreplay_sglang.families.gdn import write_anchor_conv_states  # noqa: F401 (KDA's prefill conv row)
 from tailreplay_sglang.ops.kda import kda_gate
 
@@ -52,18 +53,14 @@ class KdaFamily(Family):
             x = x + tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), reduction_owner(layer.mlp))
 
     def required(self, model, layout) -> list:
-        needs = []
-        for group in layout.groups:
-            needs += layer_requirements(model, [group.first_layer], ("attn_boundary.prepare",))
-            for layer_id in group.recurrent_layers:
-                name = mixer_name(model.layers[layer_id])
-                fused = getattr(getattr(model.layers[layer_id], name, None), "do_fuse_qkvbfg", False)
-                projection = f"{name}.forward_qkvbfg_fused" if fused else f"{name}.forward_qkvbfg"
-                paths = ("input_layernorm", projection) + tuple(f"{name}.{p}" for p in _MIXER)
-                if layer_id != group.recurrent_layers[-1]:
-                    paths += ("mlp", "post_attention_layernorm")
-                needs += layer_requirements(model, [layer_id], paths)
-        return needs
+        boundaries = layer_requirements(model, [g.first_layer for g in layout.groups], ("attn_boundary.prepare",))
+
+        def paths(layer_id):
+            name = mixer_name(model.layers[layer_id])
+            fused = getattr(getattr(model.layers[layer_id], name, None), "do_fuse_qkvbfg", False)
+            projection = f"{name}.forward_qkvbfg_fused" if fused else f"{name}.forward_qkvbfg"
+            return ("input_layernorm", projection) + tuple(f"{name}.{p}" for p in _MIXER)
+        return boundaries + replayed_layer_requirements(model, layout, paths)
 
     def required_kernels(self) -> tuple[str, ...]:
         return (_CONV, _CHUNK)

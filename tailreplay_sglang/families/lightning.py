@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import Family, ReplayBatch, layer_requirements, reduction_owner, tp_reduced
+from tailreplay_sglang.families.base import (Family, ReplayBatch, layer_requirements, reduction_owner,
+                                             replayed_layer_requirements, tp_reduced)
 from tailreplay_sglang.ops import lightning
 from tailreplay_sglang.store.transfer import pin
 
@@ -57,15 +58,10 @@ class LightningFamily(Family):
             x = x + tp_reduced(layer.mlp(layer.post_attention_layernorm(x)), reduction_owner(layer.mlp))
 
     def required(self, model, layout) -> list:
-        needs = [(model, "config", "model")]
-        for group in layout.groups:
-            needs += layer_requirements(model, [group.first_layer], ("attn_boundary.prepare",))
-            for layer_id in group.recurrent_layers:
-                paths = ("input_layernorm",) + tuple(f"attention.{p}" for p in _MIXER)
-                if layer_id != group.recurrent_layers[-1]:
-                    paths += ("mlp", "post_attention_layernorm")
-                needs += layer_requirements(model, [layer_id], paths)
-        return needs
+        boundaries = layer_requirements(model, [g.first_layer for g in layout.groups], ("attn_boundary.prepare",))
+        mixer = ("input_layernorm",) + tuple(f"attention.{p}" for p in _MIXER)
+        return [(model, "config", "model")] + boundaries + replayed_layer_requirements(model, layout,
+                                                                                      lambda layer_id: mixer)
 
     def required_kernels(self) -> tuple[str, ...]:
         return (f"{_SEG_LA}:seg_la_fwd", f"{_SEG_LA}:SegLaMeta", _NORM, f"{_SLOPES}._build_slope_tensor")
