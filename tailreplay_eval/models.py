@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import jet_nemotron, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
+from tailreplay_eval import jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -182,6 +182,9 @@ class Preset:
     # Ling-2.5 (bailing_hybrid without a short conv): the `kda` pattern's linear layers are lightning attention
     # (`tailreplay_eval.ling25`).
     lightning: bool = False
+    # Kimi K3 (KimiLinearForCausalLM's config and layers under attention residuals, `tailreplay_eval.kimi_k3`): the
+    # bank's block size (attn_res_block_size); None: Kimi Linear.
+    attn_res_block: int | None = None
     # LFM2 (model_type lfm2): its short-conv and attention layers; num_hidden_layers is the pattern's length.
     short_conv: ShortConv | None = None
     # Nemotron-H Puzzle (`tailreplay_eval.nemotron_puzzle`): the `mamba2` pattern's MoE layers with their own sizes,
@@ -305,6 +308,16 @@ PRESETS: dict[str, Preset] = {
         model_type="bailing_hybrid", **TINY, rope_theta=10_000.0, lightning=True,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         kda=Kda(pattern="KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16),
+    ),
+    # Kimi K3 (KimiK3LinearForCausalLM, served by SGLang, not by transformers; `tailreplay_eval.kimi_k3`):
+    # tiny-kimi-linear's layers in 12 (three groups of three KDA layers, each closed by a gated NoPE MLA layer) under
+    # attention residuals banked every 8 layers: group 1 starts mid-block (its input is the running residual) and
+    # group 2 on a banking layer (its input is the row banked there).
+    "tiny-kimi-k3": Preset(
+        model_type="kimi_linear", **dict(TINY, num_hidden_layers=12), attn_res_block=8,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        kda=Kda(pattern="KKK*KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
     ),
     # Jet-Nemotron (jet_nemotron, `tailreplay_eval.jet_nemotron`): the tiny sizes in 6 layers, two groups of two
@@ -896,6 +909,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
             from tailreplay_eval.ling import convert_to_ling
 
             convert_to_ling(staging, preset.rope_theta, record["seed"])
+        elif preset.attn_res_block is not None:
+            kimi_k3.convert_to_k3(staging, record["seed"], preset.attn_res_block)
     elif preset.model_type == "lfm2_vl":
         lfm2vl.liquid_names(staging / "model.safetensors")
     elif preset.model_type == "nemotron_h_omni":

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import jet_nemotron, ling, ling25, nemotron_puzzle
+from tailreplay_eval import jet_nemotron, kimi_k3, ling, ling25, nemotron_puzzle
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -62,7 +62,8 @@ def load_reference(model_path, dtype=torch.float32):
     """What a served checkpoint is checked against: transformers' model where transformers has the architecture,
     else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`; Nemotron-H Puzzle:
     transformers' Nemotron-H with per-layer blocks, `nemotron_puzzle.load_reference`; Jet-Nemotron: transformers'
-    Qwen2 with torch JetBlocks, `jet_nemotron.load_reference`)."""
+    Qwen2 with torch JetBlocks, `jet_nemotron.load_reference`; Kimi K3: transformers' Kimi Linear under attention
+    residuals, `load_kimi_k3_reference`)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("architectures") == [jet_nemotron.ARCHITECTURE]:
         return jet_nemotron.load_reference(Path(model_path), dtype)
@@ -70,6 +71,8 @@ def load_reference(model_path, dtype=torch.float32):
         return load_ling25_reference(Path(model_path), dtype)
     if config.get("model_type") == "bailing_hybrid":
         return load_ling_reference(Path(model_path), dtype)
+    if config.get("architectures") == [kimi_k3.K3_ARCHITECTURE]:
+        return load_kimi_k3_reference(Path(model_path), dtype)
     if config.get("architectures") == [nemotron_puzzle.ARCHITECTURE]:
         force_torch_gdn()
         return nemotron_puzzle.load_reference(Path(model_path), dtype)
@@ -254,3 +257,96 @@ def load_ling25_reference(checkpoint: Path, dtype=torch.float32):
         else:
             layer.self_attn = GatedRopeMLA(layer.self_attn, None, config["rope_theta"])
     return model.eval()
+
+
+# --- Kimi K3: transformers' Kimi Linear under attention residuals (tailreplay_eval.kimi_k3 explains the rest) ---
+
+class ResidualScorer(nn.Module):
+    """One read of the attention-residual bank: each row's score is `proj(rms_norm(row))`; the read is the rows'
+    softmax mixture over depth, per token (SGLang's `aggregate_stream_torch`, written here from the description)."""
+
+    def __init__(self, norm: torch.Tensor, proj: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.norm, self.proj, self.eps = nn.Parameter(norm), nn.Parameter(proj), eps
+
+    def forward(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        stacked = torch.stack(rows, dim=-2)  # [..., R, hidden]
+        scores = _rms(stacked, self.norm, self.eps) @ self.proj.T  # [..., R, 1]
+        weights = scores.float().softmax(dim=-2)
+        return (weights * stacked.float()).sum(dim=-2).to(stacked.dtype)
+
+
+class AttnResidualKimi(nn.Module):
+    """Kimi K3's layer stack over transformers' Kimi Linear layers: every attention and feed-forward input is the
+    mixture of the bank and the running residual, normed by the layer's own norm; layer l % B == 0 banks its running
+    residual and restarts it; the output is the output scorer's mixture, then the final norm."""
+
+    def __init__(self, model: nn.Module, extra: dict[str, torch.Tensor], block_size: int, eps: float) -> None:
+        super().__init__()
+        self.model, self.block_size = model, block_size
+        self.mixing = True  # off: Kimi Linear's plain residual stream (what the tests show the reference needs)
+
+        def scorer(prefix):
+            return ResidualScorer(extra[f"{prefix}norm.weight"], extra[f"{prefix}proj.weight"], eps)
+        self.attn_reads = nn.ModuleList(scorer(f"model.layers.{i}.self_attention_res_")
+                                        for i in range(len(model.layers)))
+        self.ffn_reads = nn.ModuleList(scorer(f"model.layers.{i}.mlp_res_") for i in range(len(model.layers)))
+        self.output_read = scorer("model.output_attn_res_")
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        config, bank, running, pending = self.model.config, [], None, hidden_states
+        for i, layer in enumerate(self.model.layers):
+            prefix = pending if running is None else running + pending
+            h = layer.input_layernorm(self.attn_reads[i](bank + [prefix]))
+            if i % self.block_size == 0 and self.mixing:
+                bank, running = bank + [prefix], None
+            else:
+                running = prefix
+            if config.layer_types[i] == "linear_attention":
+                out = layer.self_attn(hidden_states=h, cache_params=past_key_values, attention_mask=None)
+            else:
+                out, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                                         past_key_values=past_key_values, use_cache=use_cache)
+            running = out if running is None else running + out
+            pending = layer.mlp(layer.post_attention_layernorm(self.ffn_reads[i](bank + [running])))
+        return self.model.norm(self.output_read(bank + [running + pending]))
+
+
+@torch.no_grad()
+def load_kimi_k3_reference(checkpoint: Path, dtype=torch.float32):
+    """A Kimi K3 checkpoint (`tailreplay_eval.kimi_k3`) as transformers' Kimi Linear over its shared weights, with
+    the layer stack run by `AttnResidualKimi` and a gated NoPE `GatedRopeMLA` in each MLA layer; in eval mode."""
+    with tempfile.TemporaryDirectory(prefix="k3-as-kimi-") as folder:
+        config, extra = kimi_k3.write_as_kimi(checkpoint, Path(folder))
+        model = load_hf_model(folder, dtype)
+    extra = {name: t.to(dtype) for name, t in extra.items()}
+    for index, layer in enumerate(model.model.layers):
+        gate = extra.get(f"model.layers.{index}.self_attn.g_proj.weight")
+        if gate is not None:
+            layer.self_attn = GatedRopeMLA(layer.self_attn, gate, theta=1.0)
+            layer.self_attn.rotated = False  # K3's MLA is NoPE, as Kimi Linear's
+    stack = AttnResidualKimi(model.model, extra, config["attn_res_block_size"], config["rms_norm_eps"])
+    model.model.forward = _k3_model_forward(model.model, stack)
+    model.k3_stack = stack
+    return model.eval()
+
+
+def _k3_model_forward(body: nn.Module, stack: AttnResidualKimi):
+    """transformers' Kimi Linear model forward (embedding, cache, masks) around `stack` instead of its own loop."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        embeds = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=body.config)
+        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(seen, seen + embeds.shape[1]).unsqueeze(0)
+        mask = create_causal_mask(config=body.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  past_key_values=past_key_values, position_ids=position_ids)
+        hidden = stack(embeds, mask, position_ids, past_key_values, use_cache)
+        return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+    return forward

@@ -14,6 +14,7 @@ that docs/models.md's table says the same.
 GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "short_conv"
 HYPER_GDN = "gdn_hc"  # GDN under hyper-connection streams (families/hyper_gdn.py)
 JET = "jet"  # Jet-Nemotron's JetBlock: a gated delta rule over dynamically convolved values (families/jet.py)
+KDA_ATTN_RES = "kda_attn_res"  # KDA under attention residuals (Kimi K3; families/attn_res_kda.py)
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -41,6 +42,8 @@ SERVED = {
                                     "full attention)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
                                                     "hyper-connection streams; without per-layer embeddings)"),
+    "KimiK3LinearForCausalLM": (KDA_ATTN_RES, "Kimi K3, text (KDA + gated NoPE MLA under attention residuals; "
+                                              "without the latent MoE)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -63,10 +66,9 @@ REFUSED = {
         "GLM-5.3-Flash: mHC with 4 Sinkhorn-mixed streams (hc_mult) around KDA and DSA-indexed MLA layers; a group's "
         "input is all 4 streams and the indexer cache is not carried"),
     "Glm5NextForConditionalGenerationNextN": (_DRAFT + " (GLM-5.3-Flash)"),
-    "KimiK3ForConditionalGeneration": (
-        "Kimi K3: attention residuals (attn_res_block_size) make later layers read an aggregate of earlier blocks' "
-        "outputs, which a group's one stored input does not carry"),
-    "KimiK3LinearForCausalLM": ("Kimi K3 (text): attention residuals, as KimiK3ForConditionalGeneration"),
+    "KimiK3ForConditionalGeneration": ("Kimi K3 with its vision tower: image rows in group 0 and in the first "
+                                       "banked row; " + _UNTESTED + " (its text model, KimiK3LinearForCausalLM, is "
+                                       "served)"),
     "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
     "BailingMoeForCausalLMNextN": (_DRAFT + " (Ling)"),
     # the other hybrids

@@ -9,7 +9,8 @@ the two capture points below (`Family.install_capture`).
   instead, `layer(positions, hidden_states, forward_batch)`: its input is the value entering the group.
 - `at_stage_boundaries`: models whose layers begin with SGLang's stage boundary, `prepare(hidden_states,
   forward_batch)` (fused add + norm, which leaves the value entering the layer in the residual stream), and are
-  called through `.forward` (no module hooks fire): that `prepare` is wrapped on each group's first layer.
+  called through `.forward` (no module hooks fire): that `prepare` is wrapped on each group's first layer. Kimi K3,
+  whose boundary mixes a bank of earlier rows into its read, stores the prefix that read formed (`rows_of`).
 - `at_decoder_layer_inputs`: pre-hooks on decoder layers called `layer(positions, hidden_states, forward_batch)`
   whose `hidden_states` is the whole residual stream and whose mixer is called with keywords (Jet-Nemotron).
 - `at_layer_keyword_inputs`: keyword pre-hooks on decoder layers the model calls with keywords only
@@ -80,17 +81,22 @@ def at_mixer_inputs(layers, store: HiddenStore, mixer: str) -> list:
     return handles
 
 
-class _StageInputCapture:
-    """Wraps one layer's entry `prepare`: after it, writes the tokens (group 0) or the group input."""
+def stream_residual(forward_batch):
+    """The residual a stage boundary's `prepare` leaves in the batch's residual stream: the value entering the layer."""
+    return forward_batch.residual_stream.residual
 
-    def __init__(self, boundary, store: HiddenStore, first_layer: int | None):
+
+class _StageInputCapture:
+    """Wraps one layer's entry `prepare`: after it, writes the tokens (group 0) or the group input, `rows_of(batch)`."""
+
+    def __init__(self, boundary, store: HiddenStore, first_layer: int | None, rows_of=stream_residual):
         self.boundary, self.prepare = boundary, boundary.prepare
-        self.store, self.first_layer = store, first_layer
+        self.store, self.first_layer, self.rows_of = store, first_layer, rows_of
         self.boundary.prepare = self
 
     def __call__(self, hidden_states, forward_batch, **kwargs):
         out = self.prepare(hidden_states, forward_batch, **kwargs)
-        rows = None if self.first_layer is None else forward_batch.residual_stream.residual
+        rows = None if self.first_layer is None else self.rows_of(forward_batch)
         write_rows(self.store, self.first_layer, forward_batch, rows)
         return out
 
@@ -98,11 +104,12 @@ class _StageInputCapture:
         self.boundary.prepare = self.prepare
 
 
-def at_stage_boundaries(layers, store: HiddenStore, boundary_of) -> list:
-    """Wraps `boundary_of(layer).prepare` on each group's first layer; returns the wrappers (each `remove()`s)."""
+def at_stage_boundaries(layers, store: HiddenStore, boundary_of, rows_of=stream_residual) -> list:
+    """Wraps `boundary_of(layer).prepare` on each group's first layer, storing `rows_of(forward_batch)` after it
+    (default: the residual stream's value); returns the wrappers (each `remove()`s)."""
     first = store.layout.groups[0].first_layer
     return [_StageInputCapture(boundary_of(layers[first]), store, None)] + [
-        _StageInputCapture(boundary_of(layers[g.first_layer]), store, g.first_layer)
+        _StageInputCapture(boundary_of(layers[g.first_layer]), store, g.first_layer, rows_of)
         for g in store.layout.stored_groups]
 
 

@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import (GDN, HYPER_GDN, JET, KDA, LIGHTNING, MAMBA2,  # noqa: F401 (re-exported)
-                                             SHORT_CONV, family_of, served_list)
+from tailreplay_sglang.architectures import (GDN, HYPER_GDN, JET, KDA, KDA_ATTN_RES, LIGHTNING,  # noqa: F401
+                                             MAMBA2, SHORT_CONV, family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 SUPPORTED = served_list()
@@ -188,6 +188,8 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          f"untested with Tail-Replay. Supported: {SUPPORTED}")
     if "BailingMoeV2_5ForCausalLM" in architectures:
         _refuse_unsupported_lightning(text_config)
+    if "KimiK3LinearForCausalLM" in architectures:
+        _refuse_unsupported_attn_residuals(text_config)
     if is_parallel_hybrid(architectures):
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
@@ -211,6 +213,30 @@ def _refuse_unsupported_lightning(text_config) -> None:
         raise ValueError("--enable-tail-replay: this BailingMoeV2_5ForCausalLM config has short_conv_kernel_size, "
                          "which makes SGLang allocate KDA states for lightning layers (a KDA Bailing is Ling-3.0, "
                          f"BailingMoeV3ForCausalLM). Supported: {SUPPORTED}")
+
+
+def _refuse_unsupported_attn_residuals(text_config) -> None:
+    """Kimi K3's replay (`families/attn_res_kda.py`) takes the rows banked below a group from earlier groups' replays
+    in the same pass, so every banking layer (l % attn_res_block_size == 0) must be a KDA layer; an MLA layer's
+    row would be in no replay. The latent MoE takes the running residual into its own output (`prefix_sum`) and the
+    full-rank KDA gate projects through another fused path: neither is built or tested here."""
+    block = getattr(text_config, "attn_res_block_size", None)
+    if block is None:
+        raise ValueError("--enable-tail-replay serves Kimi K3 with its attention residuals; this "
+                         f"KimiK3LinearForCausalLM config has no attn_res_block_size. Supported: {SUPPORTED}")
+    kinds = layer_kinds(text_config)
+    mla = [i for i in range(0, len(kinds), block) if kinds[i] != LINEAR]
+    if mla:
+        raise ValueError(f"--enable-tail-replay: Kimi K3's banking layers (every attn_res_block_size={block}-th) "
+                         f"must be KDA layers, whose replay rebuilds the banked row; layers {mla} are MLA. "
+                         f"Supported: {SUPPORTED}")
+    for field, what in (("routed_expert_hidden_size", "the latent MoE"),):
+        if getattr(text_config, field, None) is not None:
+            raise ValueError(f"--enable-tail-replay does not serve Kimi K3 with {what} ({field}) yet: not tested. "
+                             f"Supported: {SUPPORTED}")
+    if (getattr(text_config, "linear_attn_config", None) or {}).get("use_full_rank_gate"):
+        raise ValueError("--enable-tail-replay does not serve Kimi K3 with use_full_rank_gate yet: its KDA gate "
+                         f"projects through a path the replay does not call. Supported: {SUPPORTED}")
 
 
 def mamba_chunk_size(text_config) -> int:

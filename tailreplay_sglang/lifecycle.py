@@ -102,7 +102,7 @@ def create_store(runtime: TailReplayRuntime, result, runner, *args, **kwargs):
                                 store_shard(runtime, runner.model_config, layout.row_width),
                                 staging_rows=graph_staging_rows(runner) if tier == "host" else 0)
     runtime.kv_pool = runner.token_to_kv_pool
-    runtime.family.install_capture(model.layers, runtime.store)
+    runtime.family.install_capture(model, runtime.store)
     _log_anchor_bytes(runtime, runner)
     if runtime.config.host_anchors:
         runtime.host_anchors = HostAnchors(runner.req_to_token_pool.mamba_pool, runtime.config.host_anchors)

@@ -43,6 +43,9 @@ LING25_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_neares
 # A Jet-Nemotron fork hit (tiny-jet-nemotron; "fork-anchor"): replayed from an interval anchor
 JET_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
             "[tiny-jet-nemotron-{}]")
+# A Kimi K3 fork hit (tiny-kimi-k3; "fork-anchor"): replayed from an interval anchor through all three groups
+K3_FORK = ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
+           "[tiny-kimi-k3-{}]")
 RETARGET_SERVER = ("tests/test_anchored_replay.py::test_a_prefix_cut_after_the_match_retargets_the_hit",
                    "tests/test_anchored_replay.py::test_a_retargeted_hit_on_tainted_kv_is_approximate")
 
@@ -305,8 +308,8 @@ MUTANTS = (
            ("tests/test_layout.py::test_ling_groups_from_its_layer_group_size",)),
     Mutant("ling-stored-input", "a stage-boundary model's stored group input is its neighbour token's row (an "
            "off-by-one in the rows captured at the group's first layer)", "tailreplay_sglang/capture.py",
-           "        rows = None if self.first_layer is None else forward_batch.residual_stream.residual\n",
-           "        rows = None if self.first_layer is None else forward_batch.residual_stream.residual.roll(1, 0)\n",
+           "    return forward_batch.residual_stream.residual\n",
+           "    return forward_batch.residual_stream.residual.roll(1, 0)\n",
            ("tests/test_hybrid_families.py::test_fork_replays_from_the_nearest_interval_anchor_and_equals_no_cache"
             "[tiny-ling-3.0-560-512]",), server=True),
     # Ling-2.5 (issue 67): what a lightning replay and its anchors need
@@ -331,6 +334,19 @@ MUTANTS = (
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id]).to(x.device, non_blocking=True)",
            "            layer, rate = model.layers[layer_id], pin(rates[layer_id - 1]).to(x.device, non_blocking=True)",
            (LING25_FORK.format("560-512"),), server=True),
+    # Kimi K3 (issue 67): the rows a group's first layer reads beside its stored prefix, and that prefix
+    Mutant("k3-bank-dropped", "a Kimi K3 group's replay reads zeros for the rows banked below it (the earlier "
+           "groups' rows are dropped from its bank)", "tailreplay_sglang/families/attn_res_kda.py",
+           "                            block_residual=torch.stack(banked, dim=1) if banked else None)",
+           "                            block_residual=torch.zeros_like(torch.stack(banked, dim=1)) if banked "
+           "else None)",
+           (K3_FORK.format("560-512"),), server=True),
+    Mutant("k3-stored-row", "a Kimi K3 group that starts on a banking layer stores the row banked a block earlier "
+           "(an off-by-one in the bank) instead of the one its read banked",
+           "tailreplay_sglang/families/attn_res_kda.py",
+           "    return bank.block_residual[:, bank.num_valid_blocks - 1]\n",
+           "    return bank.block_residual[:, bank.num_valid_blocks - 2]\n",
+           (K3_FORK.format("560-512"),), server=True),
     Mutant("jet-anchor-unwritten", "Jet-Nemotron's interval anchors keep their slot's cleared state: the state "
            "where the anchor's round ends is not copied into it", "tailreplay_sglang/families/jet.py",
            "            states[dst] = states[slot]\n", "            pass\n",

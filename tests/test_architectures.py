@@ -110,8 +110,9 @@ def test_an_unknown_architecture_is_refused_by_name():
     ("Glm5NextForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4,
                                           "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
                                           "hc_mult": 4}),
-    # Measured at 5674c68: fell to the GDN default, only KimiLinearForCausalLM was listed as KDA
-    ("KimiK3LinearForCausalLM", {"hidden_size": 64, "num_hidden_layers": 4, "attn_res_block_size": 2,
+    # Measured at 5674c68: fell to the GDN default, only KimiLinearForCausalLM was listed as KDA (K3's language model,
+    # KimiK3LinearForCausalLM, is served since, tests/test_layout.py; the vision checkpoint is not)
+    ("KimiK3ForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4, "attn_res_block_size": 2,
                                  "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}}),
 ])
 def test_frontier_checkpoints_that_pass_for_an_old_layout_are_refused_at_launch(tmp_path, arch, text_config):

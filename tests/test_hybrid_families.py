@@ -23,7 +23,12 @@ runs once per family (a module-scoped parametrized fixture):
   through a per-token generated conv, and Qwen2 attention, config and names as NVlabs ships them): transformers has
   no Jet-Nemotron, so its reference (`tailreplay_eval.jet_nemotron`) is transformers' Qwen2 with a torch JetBlock in
   each jet layer. Its interval anchors are taken from the token-serial prefill kernel run in rounds
-  (`families.jet`); its conv windows in the model's dtype, as the CPU port sets SGLang's conv pool for Jet.
+  (`families.jet`); its conv windows in the model's dtype, as the CPU port sets SGLang's conv pool for Jet;
+- `tiny-kimi-k3` (Kimi K3's language model, `KimiK3LinearForCausalLM`: tiny-kimi-linear's layers in 12, the MLA
+  output-gated, under attention residuals banked every 8 layers): transformers has no K3, so its reference
+  (`tailreplay_eval.kimi_k3`) is transformers' Kimi Linear over the same weights with its layer stack run through the
+  bank reads (`reference.AttnResidualKimi`). Group 1 starts mid-block and group 2 on a banking layer, so both of the
+  stored prefixes (`families.attn_res_kda.prefix_read`) and a row banked by an earlier group's replay are exercised.
 
 All have recurrent memories of 16 to 512 tokens (`models._init_mamba2_gates`, `models._init_kda_gates`) and the
 Mamba2 ones unit-gain projections, so a dropped state shows in the log-probs. Stock SGLang 0.5.23 cannot run any of
@@ -40,8 +45,8 @@ import concurrent.futures
 
 import pytest
 
-from helpers import (EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn, generate,
-                     max_error, no_cache, random_ids, scored, start_server, start_servers)
+from helpers import (EXACT_MEAN_TOL, EXACT_TOL, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, check_multi_turn,
+                     generate, max_error, no_cache, random_ids, scored, start_server, start_servers)
 from soak import pool_leaks, wait_idle
 from tailreplay_eval.models import build_model, load_tokenizer
 from tailreplay_eval.reference import greedy_generate, load_hf_model, load_reference, prompt_logprobs
@@ -58,7 +63,7 @@ MECHANICS = ("--enable-tail-replay", "--tail-replay-fold-tokens", "0", "--tail-r
 
 
 FAMILIES = ("tiny-nemotron-h", "tiny-nemotron-h-puzzle", "tiny-granite-4.0-h", "tiny-kimi-linear", "tiny-ling-3.0",
-            "tiny-ling-2.5", "tiny-jet-nemotron")
+            "tiny-ling-2.5", "tiny-jet-nemotron", "tiny-kimi-k3")
 # Models whose GPU-default path is another's here: Nemotron-H Puzzle is tiny-nemotron-h's family and scheduling with
 # per-layer MoE sizes, which the anchored server's tests cover (one server start less in CI)
 SAME_PRODUCTION_PATH = ("tiny-nemotron-h-puzzle",)
@@ -90,16 +95,25 @@ def servers(model_path, tmp_path_factory):
 
 # ---- the model itself, against HF ----
 
+# Stock SGLang's Kimi K3 decode (on the CPU route) differs from its own no-cache prefill of the same tokens by up to
+# 0.045 nats (measured on prompts of 5 to 300 tokens, 16 decoded tokens; its prefill equals the reference within 2e-4,
+# and Kimi Linear's decode its prefill within 4e-4). Without the attention-residual bank the same model's decode is
+# within 1.5e-3 of the reference; the source inside the bank's decode path is not located. So a K3 near-tie is
+# judged at that width; its hits are held to the server's own no-cache prefill as every model's are.
+K3_DECODE_TIE_TOL = 0.05
+
+
 def assert_greedy_agrees(model, ids, served):
     """The served tokens are HF's greedy ones up to the first near-tie (HF's top two within LOGPROB_TOL, the served
     token one of them), where float rounding may pick either and the continuations part (seen on tiny-kimi-linear:
     a 1.6e-4-nat tie at the ninth token of a 300-token prompt)."""
+    tie = K3_DECODE_TIE_TOL if hasattr(model, "k3_stack") else LOGPROB_TOL
     reference = greedy_generate(model, ids, len(served))
     for i, (a, b) in enumerate(zip(served, reference)):
         if a != b:
             logprobs = prompt_logprobs_at(model, ids + reference[:i])
             top = logprobs.topk(2)
-            assert a in top.indices.tolist() and float(top.values[0] - top.values[1]) < LOGPROB_TOL, (i, a, b)
+            assert a in top.indices.tolist() and float(top.values[0] - top.values[1]) < tie, (i, a, b)
             return
 
 
@@ -233,7 +247,19 @@ def test_multi_turn_and_eight_concurrent_hits(servers, hf):
 
 # ---- SGLang's GPU default path: extra_buffer with the overlap scheduler, Tail-Replay's defaults ----
 
-def test_production_path_chat_turns_and_forks_are_exact(servers):
+def assert_decoded_hit_exact(model_path, hit, reference):
+    """`assert_exact` for a hit whose state was tracked while its answer was decoded. On Kimi K3 that state carries
+    stock's decode difference (K3_DECODE_TIE_TOL): stock SGLang's own extra_buffer hit on the first turn below misses
+    its no-cache prefill by 0.0244 nats (mean 0.0023), and Tail-Replay's by the same (measured side by side); the mean
+    bound stays the suite's."""
+    if model_path.name != "tiny-kimi-k3":
+        return assert_exact(hit, reference)
+    n = reference["prompt_len"]  # the prompt's tokens: the greedy outputs are decoded and may part at K3's width
+    diffs = [abs(x - y) for x, y in zip(hit["logprobs"][:n], reference["logprobs"][:n])]
+    assert hit["prompt_len"] == n and max(diffs) < K3_DECODE_TIE_TOL and sum(diffs) / n < EXACT_MEAN_TOL, diffs
+
+
+def test_production_path_chat_turns_and_forks_are_exact(model_path, servers):
     """Track states every 64 tokens; a hit within 64 tokens of one folds into the extend, a farther one replays
     from it. Each equals the server's own no-cache prefill."""
     if "production" not in servers:
@@ -248,7 +274,7 @@ def test_production_path_chat_turns_and_forks_are_exact(servers):
         hit = scored(server, turn, matched)
         assert_anchored_hit(hit["meta"], matched)  # a hit, not a miss (which reports exact too)
         assert hit["meta"]["cached_tokens"] > 0
-        assert_exact(hit, no_cache(server, turn, matched))
+        assert_decoded_hit_exact(model_path, hit, no_cache(server, turn, matched))
         generate(server, turn, 1)  # back in the tree for the next turn
     doc = random_ids(500, seed=71)
     generate(server, doc, 1)
@@ -297,6 +323,28 @@ def test_ling_reference_checks_what_ling_adds_to_kimi_linear(model_path, servers
     finally:
         for norm in norms:
             norm.variance_epsilon = 1e-6
+    assert error() < LOGPROB_TOL
+    assert min(misses.values()) > LOGPROB_TOL, misses
+
+
+def test_k3_reference_checks_what_k3_adds_to_kimi_linear(model_path, servers, hf):
+    """Kimi K3 only (transformers has no K3): the reference misses the served log-probs by more than LOGPROB_TOL
+    once either of K3's differences from Kimi Linear is taken out of it (the attention-residual bank, the MLA output
+    gate), so the matches above check both."""
+    if model_path.name != "tiny-kimi-k3":
+        pytest.skip("Kimi K3's reference only")
+    model, _ = hf
+    error = reference_error(servers["anchored"], model)
+    gated = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "g_proj")]
+    assert error() < LOGPROB_TOL
+    model.k3_stack.mixing = False
+    misses = {"Kimi Linear's residual stream": error()}
+    model.k3_stack.mixing = True
+    for mla in gated:
+        mla.gated = False
+    misses["no output gate"] = error()
+    for mla in gated:
+        mla.gated = True
     assert error() < LOGPROB_TOL
     assert min(misses.values()) > LOGPROB_TOL, misses
 

@@ -267,3 +267,30 @@ def test_jet_nemotron_groups_from_its_layer_types_and_its_swa_refusal(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_types=["jet", "swa", "attn"] * 2)))
     with pytest.raises(ValueError, match="sliding-window"):
         HybridLayout.from_model_path(str(tmp_path))
+
+
+def test_kimi_k3_groups_and_its_banking_layers(tmp_path):
+    """Kimi K3's language model as Moonshot writes Kimi Linear (`linear_attn_config`) plus attn_res_block_size:
+    groups as Kimi Linear's. Its replay takes the rows banked below a group from earlier groups' replays, so a
+    banking layer (every attn_res_block_size-th) that is MLA is refused, as are the latent MoE and the full-rank KDA
+    gate (not tested), and a K3 config without attention residuals."""
+    import json
+
+    import pytest
+
+    from tailreplay_sglang.layout import KDA_ATTN_RES
+
+    config = {"architectures": ["KimiK3LinearForCausalLM"], "hidden_size": 64, "num_hidden_layers": 12,
+              "attn_res_block_size": 8, "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
+                                                               "full_attn_layers": [4, 8, 12]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lay = HybridLayout.from_model_path(str(tmp_path))
+    assert lay.mixer == KDA_ATTN_RES and [g.first_layer for g in lay.stored_groups] == [4, 8]
+    refused = {"MLA": dict(config, attn_res_block_size=3), "latent MoE": dict(config, routed_expert_hidden_size=32),
+               "no attn_res_block_size": dict(config, attn_res_block_size=None),
+               "use_full_rank_gate": dict(config, linear_attn_config=dict(config["linear_attn_config"],
+                                                                          use_full_rank_gate=True))}
+    for match, bad in refused.items():
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            HybridLayout.from_model_path(str(tmp_path))

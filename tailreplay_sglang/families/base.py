@@ -98,9 +98,9 @@ class Family:
         """Interval anchors are taken on this grid of prefill positions: the interval must be a multiple of it."""
         return 64
 
-    def install_capture(self, layers, store) -> list:
-        """Hooks that write token ids and group inputs into the store during every forward; returns removable
-        handles."""
+    def install_capture(self, model, store) -> list:
+        """Hooks on the decoder stack `model` that write token ids and group inputs into the store during every
+        forward; returns removable handles."""
         raise NotImplementedError
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:

@@ -33,8 +33,8 @@ class GdnFamily(Family):
     dp_attention = True
     speculative = True  # Qwen3.5's and Qwen3-Next's MTP heads (tests/test_speculative.py)
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_mixer_inputs(layers, store, "linear_attn")
+    def install_capture(self, model, store) -> list:
+        return capture.at_mixer_inputs(model.layers, store, "linear_attn")
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         x = self.group_input(model, group, x)

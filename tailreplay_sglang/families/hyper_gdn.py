@@ -37,8 +37,8 @@ class HyperGdnFamily(GdnFamily):
     dp_attention = False  # neither is tested on this family
     speculative = False
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_layer_keyword_inputs(layers, store)
+    def install_capture(self, model, store) -> list:
+        return capture.at_layer_keyword_inputs(model.layers, store)
 
     def group_input(self, model, group, x: torch.Tensor) -> torch.Tensor:
         hyper = model.layers[group.first_layer].attn_hyper_connection

@@ -46,8 +46,8 @@ class JetFamily(Family):
     # JetBlock calls its kernel directly: SGLang's --linear-attn-prefill-backend choice does not reach it
     anchor_prefill_backends = None
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_decoder_layer_inputs(layers, store)
+    def install_capture(self, model, store) -> list:
+        return capture.at_decoder_layer_inputs(model.layers, store)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         for layer_id in group.recurrent_layers:

@@ -37,8 +37,8 @@ class KdaFamily(Family):
     anchor_capturing_prefill_graphs = ("full", "breakable")
     eager_prefill_flag = "--disable-prefill-cuda-graph"
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_stage_boundaries(layers, store, lambda layer: layer.attn_boundary)
+    def install_capture(self, model, store) -> list:
+        return capture.at_stage_boundaries(model.layers, store, lambda layer: layer.attn_boundary)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         for layer_id in group.recurrent_layers:

@@ -40,8 +40,8 @@ class LightningFamily(Family):
     name = "lightning"
     anchor_prefill_backends = None  # the lightning backend ignores --linear-attn-prefill-backend
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_stage_boundaries(layers, store, lambda layer: layer.attn_boundary)
+    def install_capture(self, model, store) -> list:
+        return capture.at_stage_boundaries(model.layers, store, lambda layer: layer.attn_boundary)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         positions = batch.token_positions(x.device)

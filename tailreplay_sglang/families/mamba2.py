@@ -42,8 +42,8 @@ class Mamba2Family(Family):
     def anchor_grid(self, layout) -> int:
         return layout.chunk_size
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_stage_boundaries(layers, store, _boundary)
+    def install_capture(self, model, store) -> list:
+        return capture.at_stage_boundaries(model.layers, store, _boundary)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         """The group's layers in order; the last Mamba2 layer computes only its states."""

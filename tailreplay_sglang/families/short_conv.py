@@ -40,8 +40,8 @@ class ShortConvFamily(Family):
         group."""
         return (layout.conv_kernel - 1) * max(len(group.recurrent_layers) for group in layout.groups)
 
-    def install_capture(self, layers, store) -> list:
-        return capture.at_layer_keyword_inputs(layers, store)
+    def install_capture(self, model, store) -> list:
+        return capture.at_layer_keyword_inputs(model.layers, store)
 
     def replay_group(self, model, pool, group, x: torch.Tensor, batch: ReplayBatch) -> None:
         """The group's conv layers in order; the last one computes only its state."""
