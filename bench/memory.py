@@ -65,8 +65,8 @@ def main(argv=None):
                       f"(the mamba LRU evicts them); request-end and prefill-chunk-end anchors (one slot each, like "
                       f"stock's checkpoints) come on top. idx = the sparse-attention indexer cache, part of SGLang's "
                       f"KV cell (stock = KV + idx). fit = tokens a pool holds at equal device memory in paper mode, "
-                      f"as a share of stock's. Refused: what the store would keep (every hyper-connection stream, "
-                      f"attention-residual bank rows); Tail-Replay serves none of it. Hidden dtype auto = the serving "
+                      f"as a share of stock's. Refused: what the store would keep (every hyper-connection stream); "
+                      f"Tail-Replay serves none of it. Hidden dtype auto = the serving "
                       f"dtype. TP 1.")
         _write_json({"note": HAND_WRITTEN_NOTE, "models": accs}, args.json)
         return accs

@@ -35,11 +35,12 @@ by hand below (`HAND_WRITTEN`), as we know them from the published configs. A Ma
 Granite-4.0-H) slot is SGLang's `Mamba2StateShape`: conv over x | B | C (heads x head_dim + 2 x groups x state), SSM
 heads x head_dim x state.
 
-Refused models (Falcon-H1 and the 2026 frontier hybrids in `FRONTIER`) get a row too: what the store WOULD cost,
-with the refusal's reason (`architectures.REFUSED`). For those the store would have to keep more than one hidden per
-group: every stream of a hyper-connection residual (`residual_streams`) and the attention-residual bank's rows
-(`attn_res_bank_rows`). Their attention layers' indexer caches (`indexer_bytes_per_token`) are part of SGLang's KV
-cell, so stock's per-token cost is KV + indexer.
+Refused models (Falcon-H1 and the 2026 frontier hybrids in `FRONTIER` that Tail-Replay refuses) get a row too: what
+the store WOULD cost, with the refusal's reason (`architectures.REFUSED`). For those the store would have to keep
+more than one hidden per group: every stream of a hyper-connection residual (`residual_streams`). Kimi K3's
+attention-residual bank rows cost no store where every banking layer is a KDA layer (`attn_res_bank_rows`). Their
+attention layers' indexer caches (`indexer_bytes_per_token`) are part of SGLang's KV cell, so stock's per-token cost
+is KV + indexer.
 """
 
 import argparse
@@ -440,16 +441,17 @@ def residual_streams(config: dict) -> int:
 
 
 def attn_res_bank_rows(config: dict, stored_first_layers: tuple[int, ...]) -> int:
-    """Hidden rows per token the store would keep besides the groups' inputs for attention residuals
-    (attn_res_block_size B, Kimi K3): layer i reads a softmax mix of the bank's rows, one snapshotted where each
-    block starts (layers 0, B, 2B, ...: cdiv(i, B) rows before layer i), and the running prefix
-    (`AttnResidual.forward`, layers/attn_residual.py; models/kimi_k3.py:2591-2592). So a group needs its prefix (the
-    stored input) and every row banked before it. Assumed: each row is stored once, shared by the later groups, and
-    row 0 (the embeddings) not at all."""
+    """Hidden rows per token the store keeps besides the groups' inputs for attention residuals (attn_res_block_size
+    B, Kimi K3): layer i reads a softmax mix of the rows banked at layers 0, B, 2B, ... below it and its running
+    prefix (`AttnResidual.forward`, layers/attn_residual.py). Tail-Replay stores a group's prefix and takes the rows
+    below it from earlier groups' replays in the same pass (`families/attn_res_kda.py`), which bank every row at a
+    KDA layer; a row banked at an attention layer would have to be stored (`layout` refuses such a checkpoint), and
+    row 0 is the embeddings. So: the banking attention layers below the last stored group."""
     block = config.get("attn_res_block_size")
     if not block or not stored_first_layers:
         return 0
-    return -(-max(stored_first_layers) // block) - 1
+    kinds = layer_kinds(ConfigAttrs(config))
+    return sum(1 for layer in range(block, max(stored_first_layers), block) if kinds[layer] == FULL)
 
 
 def mamba_slot_bytes(config: dict, n_gdn_layers: int, tp: int = 1) -> dict:
@@ -714,7 +716,7 @@ PER_RANK_NOTE = (
     "for MLA models with a HiCache storage backend (= the replicated column). Store, replicated: whole rows on "
     "every rank, as before sharding. Host tier: the store in host memory, the device holds the KV (+ indexer) "
     "alone. fit = tokens a rank's pool holds at equal device memory, as a share of stock's. Projection: a model "
-    "Tail-Replay refuses; its store would keep every hyper-connection stream (and Kimi K3's bank rows)")
+    "Tail-Replay refuses; its store would keep every hyper-connection stream")
 
 
 def store_shards(config: dict, tp: int, hicache_storage: bool = False) -> int:

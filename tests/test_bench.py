@@ -437,13 +437,13 @@ def test_memory_row_of_a_refused_parallel_hybrid_says_what_the_store_would_cost(
 
 
 def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monkeypatch):
-    """Three frontier hybrids are refused (architectures.REFUSED's reason in the row), Ling-3.0 and Ling-2.5 are
-    served; the rows
-    say what the store keeps or would keep: every hyper-connection stream of each stored group's input, and Kimi K3's
-    banked rows. The hidden rows per token against the KV (excluding the indexer): Qwen3.8-Flash-Next 11 x 4 x 2048 x
-    2 B against 12 x 2 x 2 x 256 x 2 B, 7.3x; GLM-5.3-Flash 11 x 4 x 4096 x 2 B against 11 x 512 x 2 B, 32x. The
-    notes' "about 28x" is GLM's hiddens against KV + a DSA indexer sized at index_kpool 1 (SGLang's value where the
-    config has none)."""
+    """The frontier hybrids Tail-Replay refuses carry architectures.REFUSED's reason in their row, the served ones
+    (Qwen3.8-Flash-Next, Ling-3.0, Ling-2.5, Kimi K3) none; the rows say what the store keeps or would keep: every
+    hyper-connection stream of each stored group's input, and for Kimi K3 one row per group (its bank's rows are
+    banked by the replays). The hidden rows per token against the KV (excluding the indexer): Qwen3.8-Flash-Next
+    11 x 4 x 2048 x 2 B against 12 x 2 x 2 x 256 x 2 B, 7.3x; GLM-5.3-Flash 11 x 4 x 4096 x 2 B against 11 x 512 x 2 B,
+    32x. The notes' "about 28x" is GLM's hiddens against KV + a DSA indexer sized at index_kpool 1 (SGLang's value
+    where the config has none)."""
     from tailreplay_sglang.architectures import REFUSED
 
     monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
@@ -467,10 +467,11 @@ def test_memory_rows_of_the_frontier_hybrids_say_what_the_store_would_cost(monke
     assert round(glm["hiddens_per_kv"]) == 32
     kpool_1 = memory.account({**memory.FRONTIER["GLM-5.3-Flash"], "index_kpool": 1}, ["--dtype", "auto"])
     assert round(kpool_1["tail_replay_hidden_bytes_per_token"] / kpool_1["stock_bytes_per_cached_token"]) == 28
-    # Kimi K3: 22 stored groups + 7 bank rows (block 12: rows at layers 12 ... 84 precede the last group, at 88)
+    # Kimi K3, served: 22 stored groups; its bank rows (block 12: layers 12 ... 84, all KDA) are banked by the groups'
+    # replays, not stored
     kimi = acc["Kimi-K3"]
-    assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"], kimi["attn_res_bank_rows"]) == (24, 69, 22, 7)
-    assert kimi["tail_replay_hidden_bytes_per_token"] == (22 + 7) * 7168 * 2 + 8
+    assert (kimi["fa_layers"], kimi["gdn_layers"], kimi["stored_groups"], kimi["attn_res_bank_rows"]) == (24, 69, 22, 0)
+    assert kimi["tail_replay_hidden_bytes_per_token"] == 22 * 7168 * 2 + 8 and "refused" not in kimi
     assert [(acc[m]["fa_layers"], acc[m]["gdn_layers"], acc[m]["stored_groups"])
             for m in ("Ling-3.0-flash", "Ling-2.5-1T")] == [(7, 35, 6), (10, 70, 9)]
     # Ling-2.5-1T: 9 stored groups of 8192 values against 10 MLA latents of 512 + 64, 12.8x
@@ -571,7 +572,8 @@ def test_memory_all_table_and_json(tmp_path):
 
 
 PER_RANK_SERVED = [m for m in memory.PER_RANK_MODELS if m not in memory.FRONTIER]
-# The frontier models Tail-Replay serves (Ling-3.0, Ling-2.5): rows, not refusals or projections
+# The frontier models Tail-Replay serves (Qwen3.8-Flash-Next, Ling-3.0, Ling-2.5, Kimi K3): rows, not refusals or
+# projections
 FRONTIER_SERVED = {name for name, config in memory.FRONTIER.items() if config["architectures"][0] in SERVED}
 
 
@@ -642,7 +644,7 @@ def test_memory_per_rank_table_and_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
     assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 3  # TP 1, 2; 3 row dtypes
-    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T", "Qwen3.8-Flash-Next"}
+    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T", "Qwen3.8-Flash-Next", "Kimi-K3"}
     assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - FRONTIER_SERVED
     assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | FRONTIER_SERVED
     assert "not measured" in data["note"]
