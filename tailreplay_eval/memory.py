@@ -57,8 +57,8 @@ from rich.table import Table
 from tailreplay_sglang.architectures import REFUSED
 from tailreplay_sglang.store import hidden_store
 from tailreplay_sglang.config import TailReplayConfig
-from tailreplay_sglang.layout import (BLOCK_KINDS, FULL, LINEAR, ConfigAttrs, HybridLayout, is_parallel_hybrid,
-                                      layer_kinds, text_config_of)
+from tailreplay_sglang.layout import (BLOCK_KINDS, FULL, LINEAR, ConfigAttrs, HybridLayout, banking_attention_layers,
+                                      is_parallel_hybrid, layer_kinds, text_config_of)
 from tailreplay_sglang.plugin import add_cli_args, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -450,8 +450,8 @@ def attn_res_bank_rows(config: dict, stored_first_layers: tuple[int, ...]) -> in
     block = config.get("attn_res_block_size")
     if not block or not stored_first_layers:
         return 0
-    kinds = layer_kinds(ConfigAttrs(config))
-    return sum(1 for layer in range(block, max(stored_first_layers), block) if kinds[layer] == FULL)
+    banked = banking_attention_layers(layer_kinds(ConfigAttrs(config)), block)
+    return sum(1 for layer in banked if 0 < layer < max(stored_first_layers))
 
 
 def mamba_slot_bytes(config: dict, n_gdn_layers: int, tp: int = 1) -> dict:

@@ -224,19 +224,23 @@ def _refuse_unsupported_attn_residuals(text_config) -> None:
     if block is None:
         raise ValueError("--enable-tail-replay serves Kimi K3 with its attention residuals; this "
                          f"KimiK3LinearForCausalLM config has no attn_res_block_size. Supported: {SUPPORTED}")
-    kinds = layer_kinds(text_config)
-    mla = [i for i in range(0, len(kinds), block) if kinds[i] != LINEAR]
+    mla = banking_attention_layers(layer_kinds(text_config), block)
     if mla:
         raise ValueError(f"--enable-tail-replay: Kimi K3's banking layers (every attn_res_block_size={block}-th) "
                          f"must be KDA layers, whose replay rebuilds the banked row; layers {mla} are MLA. "
                          f"Supported: {SUPPORTED}")
-    for field, what in (("routed_expert_hidden_size", "the latent MoE"),):
-        if getattr(text_config, field, None) is not None:
-            raise ValueError(f"--enable-tail-replay does not serve Kimi K3 with {what} ({field}) yet: not tested. "
-                             f"Supported: {SUPPORTED}")
+    if getattr(text_config, "routed_expert_hidden_size", None) is not None:
+        raise ValueError("--enable-tail-replay does not serve Kimi K3 with the latent MoE (routed_expert_hidden_size) "
+                         f"yet: not tested. Supported: {SUPPORTED}")
     if (getattr(text_config, "linear_attn_config", None) or {}).get("use_full_rank_gate"):
         raise ValueError("--enable-tail-replay does not serve Kimi K3 with use_full_rank_gate yet: its KDA gate "
                          f"projects through a path the replay does not call. Supported: {SUPPORTED}")
+
+
+def banking_attention_layers(kinds: tuple[str, ...], block: int) -> list[int]:
+    """The layers that bank an attention-residual row (every `block`-th, from 0) and are not recurrent: no replay
+    rebuilds their rows."""
+    return [i for i in range(0, len(kinds), block) if kinds[i] != LINEAR]
 
 
 def mamba_chunk_size(text_config) -> int:

@@ -6,30 +6,21 @@
   and combine kernels (`_mix_fused`). On a CPU it is SGLang's own eager reference, `aggregate_stream_torch`.
 """
 
-import contextlib
-
 import torch
-
-
-@contextlib.contextmanager
-def _no_cuda_streams():
-    stream = torch.cuda.Stream
-    torch.cuda.Stream = _no_stream
-    try:
-        yield
-    finally:
-        torch.cuda.Stream = stream
-
-
-def _no_stream(*args, **kwargs):
-    return None
 
 
 def model_without_streams(original, model, *args, **kwargs):
     """AROUND `KimiK3LinearModel.__init__`: built with no side streams (its layers then take the HIP branch's None)."""
-    with _no_cuda_streams():
+    stream, torch.cuda.Stream = torch.cuda.Stream, _no_stream
+    try:
         original(model, *args, **kwargs)
+    finally:
+        torch.cuda.Stream = stream
     model.alt_streams = None
+
+
+def _no_stream(*args, **kwargs):
+    return None
 
 
 def mix_fused(prefix_sum, bank, nvb, score_proj, score_norm):

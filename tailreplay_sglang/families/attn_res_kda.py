@@ -22,7 +22,7 @@ Interval anchors are KDA's: the prefill's conv inputs and per-chunk states (`fam
 import torch
 
 from tailreplay_sglang import capture
-from tailreplay_sglang.families.base import ReplayBatch, replayed_layer_requirements, tp_reduced
+from tailreplay_sglang.families.base import ReplayBatch, layer_requirements, replayed_layer_requirements, tp_reduced
 from tailreplay_sglang.families.kda import _MIXER, KdaFamily, replay_kda_mixer
 
 _READS = ("input_layernorm", "self_attention_res_norm", "self_attention_res_proj", "is_block_write_layer")
@@ -71,8 +71,7 @@ class AttnResKdaFamily(KdaFamily):
         def paths(layer_id):
             return _READS + ("self_attn.forward_qkvbfg",) + tuple(f"self_attn.{p}" for p in _MIXER)
         boundaries = [(model, "config.attn_res_block_size", "model"), (model, "attn_bank.current", "model")]
-        boundaries += [(model.layers[g.first_layer], "attn_boundary.prepare", f"model.layers[{g.first_layer}]")
-                       for g in layout.groups]
+        boundaries += layer_requirements(model, [g.first_layer for g in layout.groups], ("attn_boundary.prepare",))
         return boundaries + replayed_layer_requirements(model, layout, paths, _FEED_FORWARD)
 
 
