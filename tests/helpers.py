@@ -66,6 +66,11 @@ def load_bench(name: str):
 FAULT_PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # the test-only SGLang plugin (fault injection)
 
 
+def plugin_pythonpath() -> str:
+    """PYTHONPATH of a server that loads the test plugin (its dist-info's entry point is found there)."""
+    return os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
+
+
 def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_prefixes: bool = False,
                raise_on_rid: bool = False, watch_pool_writes: Path | None = None,
                dump_states: Path | None = None, neighbour_share: float | None = None) -> dict:
@@ -76,8 +81,7 @@ def faults_env(replay_delay_s: float = 0.0, events: Path | None = None, cut_pref
     `watch_pool_writes`, every mamba-pool slot write outside a forward is logged there (`pool_writes`); with
     `dump_states`, the states a replay rebuilt for a request with rid `dump-...` are saved there (`dumped_states`);
     with `neighbour_share`, a neighbour process holds that share of the available RAM while the server loads."""
-    path = os.pathsep.join(p for p in (str(FAULT_PLUGIN_DIR), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path, "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # the plugin's DELAY_ENV
+    env = {"PYTHONPATH": plugin_pythonpath(), "TAILREPLAY_FAULT_REPLAY_DELAY_S": str(replay_delay_s)}  # its DELAY_ENV
     if cut_prefixes:
         env["TAILREPLAY_FAULT_CUT_PREFIX"] = "1"  # its CUT_ENV
     if raise_on_rid:
@@ -398,7 +402,8 @@ CONTEXT, QUESTION, HICACHE_DEVICE_TOKENS = 700, 24, 1200  # three 700-token cont
 # no --hicache-io-backend: SGLang's default (`kernel`, CUDA-only) becomes `direct` on the CPU engine (the CPU port)
 # Host pools of 16 x the device pools (19,200 tokens, 1,024 mamba slots: tens of MB), not a --hicache-size in whole
 # GB: SGLang refuses a host pool larger than the free RAM less 10 GiB, and with the other worker's servers up it
-# refused 1 GB ones ("Requesting 0.76 GB but only have 0.41 GB free", clean-clone CI of 8e50938).
+# refused 1 GB ones ("Requesting 0.76 GB but only have 0.41 GB free", clean-clone CI of 8e50938), then pools of tens
+# of MB (e2fee35): every HiCache test server keeps HOST_RESERVE_GIB free instead (the test plugin's RESERVE_ENV).
 HICACHE = ("--enable-hierarchical-cache", "--hicache-ratio", "16",
            "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
            "--dtype", "float32", "--enable-cache-report",
@@ -407,15 +412,24 @@ HICACHE = ("--enable-hierarchical-cache", "--hicache-ratio", "16",
            "--mem-fraction-static", "0.5")
 
 
+HOST_RESERVE_GIB = 2  # host memory SGLang keeps free of HiCache host pools in test servers (SGLang's own: 10 GiB)
+
+
+def host_reserve_env() -> dict:
+    """Environment of a HiCache test server: the test plugin keeps HOST_RESERVE_GIB free of its host pools."""
+    return {"PYTHONPATH": plugin_pythonpath(), "TAILREPLAY_TEST_HOST_RESERVE_GIB": str(HOST_RESERVE_GIB)}  # RESERVE_ENV
+
+
 def hicache_spec(model, l3_folder: Path | None, gpu_scheduling: bool, *extra: str) -> Spec:
     """A HiCache server with 1,200-token device pools and its L3 (`file`) in `l3_folder` (None: the host tier
     alone). Three at a time: SGLang keeps 10 GiB of host memory free of its host pools, so six starting at once
     (three per module) ran out."""
     if l3_folder is None:
         flags = tuple(f for i, f in enumerate(HICACHE) if "storage" not in f and "storage" not in HICACHE[i - 1])
-        return Spec(model, flags + extra, kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS,
-                                                  "gpu_scheduling": gpu_scheduling})
-    return Spec(model, HICACHE + extra, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(l3_folder)},
+        return Spec(model, flags + extra, env=host_reserve_env(),
+                    kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
+    return Spec(model, HICACHE + extra,
+                env={**host_reserve_env(), "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(l3_folder)},
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 
 
@@ -425,6 +439,7 @@ def mooncake_spec(model, master_address: str, gpu_scheduling: bool, *extra: str,
     `master_address`, over TCP on loopback, contributing a segment of `segment_bytes` (test_mooncake_store.py)."""
     flags = server_flags(master_address, segment_bytes)
     return Spec(model, flags + ("--dtype", "float32", "--enable-cache-report", "--mem-fraction-static", "0.5") + extra,
+                env=host_reserve_env(),
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 
 

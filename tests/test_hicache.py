@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from helpers import (CONTEXT, QUESTION, assert_exact, generate, hicache_spec, no_cache, random_ids, scored,
-                     start_servers, wait_for_pages)
+from helpers import (CONTEXT, HOST_RESERVE_GIB, QUESTION, assert_exact, generate, hicache_spec, mooncake_spec,
+                     no_cache, random_ids, scored, start_servers, wait_for_pages)
 from tailreplay_eval.reference import greedy_generate
 from tailreplay_eval.server import flush_cache
 
@@ -46,6 +46,15 @@ def servers(tiny_qwen35, tmp_path_factory, shared_l3):
     yield from start_servers(tmp_path_factory, {"no_buffer": hicache_spec(tiny_qwen35, own, False),
                                                 "gpu_a": hicache_spec(tiny_qwen35, shared_l3, True),
                                                 "gpu_b": hicache_spec(tiny_qwen35, shared_l3, True)})
+
+
+def test_test_servers_keep_the_test_host_reserve_free(servers, tiny_qwen35):
+    """Every HiCache test server (these, the Tail-Replay and Mooncake ones) keeps HOST_RESERVE_GIB of host memory
+    free of its host pools, not SGLang's 10 GiB, which made their starts depend on the other worker's servers: the
+    test plugin's setting reached the scheduler, which sizes the pools."""
+    for srv in servers.values():
+        assert f"test host reserve {HOST_RESERVE_GIB} GiB" in srv.log_path.read_text(errors="replace")
+    assert mooncake_spec(tiny_qwen35, "127.0.0.1:1", True).env == hicache_spec(tiny_qwen35, None, True).env
 
 
 def hit_len(name: str, length: int = CONTEXT) -> int:

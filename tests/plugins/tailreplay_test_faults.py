@@ -27,6 +27,12 @@ each request whose rid starts with `dump-`, as `{"temporal": {layer id: [HV, V, 
 (float32; a pool without recurrent states, LFM2's, has no "temporal" entries) in `<folder>/<rid>.pt`: a probe,
 so that a test compares rebuilt states with HF's directly (issue 65 class 10: a fault in the replay's feed-forward
 collectives moved the next tokens' log-probs by only about the exactness tolerance on the tiny models).
+With `TAILREPLAY_TEST_HOST_RESERVE_GIB` set, SGLang keeps that much host memory free of its HiCache host pools instead
+of 10 GiB (`pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`, a margin for a production host's OS and neighbours). Not
+a fault: the test machine's setting. Its 24 GiB hold two workers' servers at about 1.7 GB each, so with 10 GiB kept
+free a HiCache server's start (host pools of tens of MB) depended on what the other worker had up and was refused
+("Requesting 0.00 GB but only have -0.11 GB free": clean-clone CI runs of 749ceda, 810d1d2 and e2fee35). It prints
+`test host reserve <GiB> GiB` to the server's log.
 """
 
 import json
@@ -49,6 +55,7 @@ RAISE_ENV = "TAILREPLAY_FAULT_RAISE"
 WATCH_ENV = "TAILREPLAY_WATCH_POOL_WRITES"
 DUMP_ENV = "TAILREPLAY_DUMP_REPLAYED_STATES"
 NEIGHBOUR_ENV = "TAILREPLAY_FAULT_NEIGHBOUR_SHARE"
+RESERVE_ENV = "TAILREPLAY_TEST_HOST_RESERVE_GIB"
 LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"  # after the first free-memory reading
 # the neighbour: n bytes written (so resident), "ready", then held until its stdin closes (its server gone or done)
 NEIGHBOUR = "import sys\nblock = b'\\x01' * int(sys.argv[1])\nprint('ready', flush=True)\nsys.stdin.read()\n"
@@ -81,6 +88,11 @@ def register() -> None:
         HookRegistry.register(LOADED, neighbour.around_pools, HookType.AROUND)
     if os.environ.get(DUMP_ENV):
         HookRegistry.register(TARGET, dump_replayed_states, HookType.AFTER)
+    if os.environ.get(RESERVE_ENV):
+        from sglang.srt.mem_cache.pool_host import base  # read at each sizing (host_memory_budget_bytes)
+
+        base.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(float(os.environ[RESERVE_ENV]) * 2**30)
+        print(f"test host reserve {base.HICACHE_HOST_MEMORY_RESERVE_BYTES / 2**30:g} GiB", file=sys.stderr, flush=True)
     delay = float(os.environ.get(DELAY_ENV, "0"))
     if delay <= 0:
         return
