@@ -193,6 +193,9 @@ class Preset:
     # Jet-Nemotron (model_type jet_nemotron): its JetBlock and attention layers; num_hidden_layers is the pattern's
     # length. Built without transformers (`tailreplay_eval.jet_nemotron`).
     jet: Jet | None = None
+    # Nemotron-H Omni's build written as one of NVIDIA's earlier releases of the same SGLang class
+    # (`nemotron_omni.NANO_RELEASES`: NemotronH_Nano_VL_V2, NemotronH_Nano_Omni_Reasoning_V3); None: the Omni.
+    released_as: str | None = None
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
@@ -211,6 +214,13 @@ TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_si
 TINY_VISION = Vision(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=8,
                      num_position_embeddings=256)
 
+# Nemotron-H Omni (nemotron_h_omni, `tailreplay_eval.nemotron_omni`): tiny-nemotron-h's text stack under the
+# smallest RADIO tower SGLang builds (ViT-S/16, 12 layers) and NVIDIA's projector; no audio tower.
+OMNI_PRESET = Preset(
+    model_type="nemotron_h_omni", **dict(TINY, num_hidden_layers=11),
+    mamba2=Mamba2(pattern="M-M*-MEM*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
+    moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+)
 PRESETS: dict[str, Preset] = {
     "tiny-qwen35": Preset(
         model_type="qwen3_5_text", **TINY,
@@ -265,13 +275,12 @@ PRESETS: dict[str, Preset] = {
         mamba2=Mamba2(pattern="M-ME*-EM*ME", num_heads=8, head_dim=16, n_groups=2, state_size=16),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
-    # Nemotron-H Omni (nemotron_h_omni, `tailreplay_eval.nemotron_omni`): tiny-nemotron-h's text stack under the
-    # smallest RADIO tower SGLang builds (ViT-S/16, 12 layers) and NVIDIA's projector; no audio tower.
-    "tiny-nemotron-h-omni": Preset(
-        model_type="nemotron_h_omni", **dict(TINY, num_hidden_layers=11),
-        mamba2=Mamba2(pattern="M-M*-MEM*M-", num_heads=8, head_dim=16, n_groups=2, state_size=16),
-        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
-    ),
+    "tiny-nemotron-h-omni": OMNI_PRESET,
+    # NVIDIA's earlier releases of the Omni's SGLang class: tiny-nemotron-h-omni's weights (the same preset and seed),
+    # config.json naming that release's architecture and model_type (`nemotron_omni.NANO_RELEASES`)
+    **{name: replace(OMNI_PRESET, released_as=release) for name, release in (
+        ("tiny-nemotron-h-nano-vl", "NemotronH_Nano_VL_V2"),
+        ("tiny-nemotron-h-nano-omni", "NemotronH_Nano_Omni_Reasoning_V3"))},
     # Granite-4.0-H (granitemoehybrid, Mamba2): Mamba2 and attention mixers each with a MoE and a shared MLP in the
     # same layer, and Granite 4's multipliers (embedding 12, residual 0.22, attention 1/128).
     "tiny-granite-4.0-h": Preset(
@@ -915,7 +924,7 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         lfm2vl.liquid_names(staging / "model.safetensors")
     elif preset.model_type == "nemotron_h_omni":
         text = dict(model.config.text_config.to_dict(), architectures=["NemotronHForCausalLM"])
-        nemotron_omni.released_config(config_file, nvidia_config_fields(text))
+        nemotron_omni.released_config(config_file, nvidia_config_fields(text), preset.released_as)
         nemotron_omni.name_unk_token(staging)
     elif preset.model_type == "qwen4_exp":
         qwen4exp.serving_dtypes(config_file)

@@ -36,6 +36,12 @@ MIN_PATCHES, MAX_PATCHES = 64, 1024  # a 128-px to 512-px square keeps its own s
 VIDEO_TEMPORAL_PATCH = 2  # transformers requires the tower and the config to agree
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' processor default; SGLang reads norm_mean
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# NVIDIA's earlier releases that SGLang serves with the Omni's class (`models/nano_nemotron_vl.py`: the Omni is a
+# subclass that adds a name remap and an optional final norm, neither used by these checkpoints), each its
+# architecture and model_type. transformers writes the Omni's weights under NVIDIA's released names
+# (`vision_model.radio_model.model.*`, `mlp1.*`, `language_model.backbone.*`), which are these releases' names too,
+# so a release differs from the Omni build of the same preset and seed in config.json alone.
+NANO_RELEASES = ("NemotronH_Nano_VL_V2", "NemotronH_Nano_Omni_Reasoning_V3")
 
 
 def omni_config(text: PretrainedConfig, tokenizer: Tokenizer) -> PretrainedConfig:
@@ -52,10 +58,11 @@ def omni_config(text: PretrainedConfig, tokenizer: Tokenizer) -> PretrainedConfi
     )
 
 
-def released_config(config_file: Path, llm_config: dict) -> None:
+def released_config(config_file: Path, llm_config: dict, released_as: str | None = None) -> None:
     """Rewrite transformers' config.json with NVIDIA's released field names beside transformers' own, so that
     SGLang's config class and transformers' both read it (module docstring). `llm_config` is the text config as
-    NVIDIA writes it (`models.nvidia_config_fields`)."""
+    NVIDIA writes it (`models.nvidia_config_fields`). `released_as` (one of NANO_RELEASES): the checkpoint is that
+    release instead, which transformers cannot load (its reference is the Omni build of the same preset and seed)."""
     written = json.loads(config_file.read_text())
     vision = dict(written["vision_config"], args=dict(model=TIMM_NAME, register_multiple=SUMMARY_TOKENS),
                   preferred_resolution=[256, 256], min_num_patches=MIN_PATCHES, max_num_patches=MAX_PATCHES)
@@ -63,6 +70,9 @@ def released_config(config_file: Path, llm_config: dict) -> None:
                   img_context_token_id=written["image_token_id"], patch_size=PATCH_SIZE, ps_version="v2",
                   norm_mean=list(CLIP_MEAN), norm_std=list(CLIP_STD), use_thumbnail=False)
     del config["text_config"]
+    if released_as is not None:
+        assert released_as in NANO_RELEASES, released_as
+        config.update(architectures=[released_as], model_type=released_as)
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -38,6 +38,9 @@ SERVED = {
     "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
     "NemotronH_Omni_Reasoning_V3": (MAMBA2, "Nemotron-H Omni (Nemotron-H under a RADIO vision tower; images, "
                                            "without its audio tower)"),
+    "NemotronH_Nano_VL_V2": (MAMBA2, "Nemotron-H Nano VL V2 (Nemotron-H under a RADIO vision tower; images)"),
+    "NemotronH_Nano_Omni_Reasoning_V3": (MAMBA2, "Nemotron-H Nano Omni V3 (Nemotron-H under a RADIO vision tower; "
+                                                "images, without its audio tower)"),
     "JetNemotronForCausalLM": (JET, "Jet-Nemotron (JetBlock: a gated delta rule over dynamically convolved values; "
                                     "full attention)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
@@ -77,8 +80,6 @@ REFUSED = {
         "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
     "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
-    "NemotronH_Nano_VL_V2": ("Nemotron-H Nano VL: image rows in group 0's input; " + _UNTESTED),
-    "NemotronH_Nano_Omni_Reasoning_V3": ("Nemotron-H Nano Omni: image and audio rows in group 0; " + _UNTESTED),
     "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
     "JetVLMForConditionalGeneration": ("JetVLM: Jet-Nemotron under a vision tower; " + _UNTESTED),
     "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "

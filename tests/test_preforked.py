@@ -79,3 +79,35 @@ def test_a_forked_server_that_fails_to_start_reports_its_code_and_error(tmp_path
         server.wait_healthy(timeout=120)
     assert "--tail-replay-ratio requires --enable-tail-replay" in str(failure.value)  # argparse, as spawned
     server.stop()
+
+
+def test_the_c_scan_propagates_as_sglang_does(monkeypatch):
+    """`preforked.propagate_patch` rebinds exactly what SGLang's `_propagate_patch` rebinds: every global bound to the
+    original by identity (under several names, in several modules), not the source module's, not a global merely
+    equal to it, and a module whose values cannot be compared (a tensor) does not stop it."""
+    import torch
+    from sglang.srt.plugins import hook_registry
+
+    from tailreplay_eval.preforked import propagate_patch
+
+    class EqualToAll:
+        def __eq__(self, other):
+            return True
+
+    def fresh(original):
+        source, held, other = (types.ModuleType(f"tr_fake_{name}") for name in ("source", "held", "other"))
+        source.function = held.function = held.alias = original
+        other.tensor, other.equal = torch.ones(2), EqualToAll()
+        for mod in (source, held, other):
+            monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        return source, held, other
+
+    def original():  # held by the fake modules alone (a module global of this file would be rebound too)
+        pass
+
+    results = []
+    for propagate in (hook_registry._propagate_patch, propagate_patch):
+        source, held, other = fresh(original)
+        count = propagate(original, "wrapped", source)
+        results.append((count, source.function is original, held.function, held.alias, type(other.equal)))
+    assert results[0] == results[1] == (2, True, "wrapped", "wrapped", EqualToAll)

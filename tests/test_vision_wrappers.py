@@ -2,7 +2,8 @@
 `MiniCPMV4_7ForConditionalGeneration`: a Qwen3.5 language model under MiniCPM-V's SigLIP tower, GDN; 4.7 with canvas
 M-RoPE positions, `tailreplay_eval.minicpmv`), LFM2-VL (`Lfm2VlForConditionalGeneration`: LFM2 under
 a SigLIP2 NaFlex tower, gated short conv) and Nemotron-H Omni (`NemotronH_Omni_Reasoning_V3`: Nemotron-H under a
-RADIO tower, Mamba2, `tailreplay_eval.nemotron_omni`).
+RADIO tower, Mamba2, `tailreplay_eval.nemotron_omni`) with NVIDIA's two earlier releases of its SGLang class,
+Nano VL V2 and Nano Omni V3 (the Omni's weights under their own config.json, judged against the Omni's reference).
 
 SGLang feeds the first layer the tower's features in an image's rows, so a replay over an image starts from the
 stored group-0 input (as on Qwen3.5's vision-language checkpoints, tests/test_vision_language.py), and each wrapper
@@ -23,7 +24,8 @@ holds its decoder where `architectures.decoder_stack` finds it (MiniCPM-V: `llm`
 Checked against HF transformers (requests with no hit) and against each server's own no-cache prefill.
 """
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -61,6 +63,8 @@ class Wrapper:
     # (`prompt.replace(IMG_CONTEXT_TOKEN, ..., 1)`) and leaves the later ones as text; transformers expands each in
     # place, so only one-image prompts are the same prompt to both
     one_image_per_prompt: bool = False
+    # the preset whose checkpoint the HF reference loads, where transformers cannot load this one (None: this one)
+    reference: str | None = None
 
 
 MINICPMV = Wrapper("tiny-minicpmv4.6", "<|image_pad|>", 448, (448, 896))
@@ -70,6 +74,12 @@ LFM2VL = Wrapper("tiny-lfm2-vl", "<image>", 256, (512, 1024))
 OMNI = Wrapper("tiny-nemotron-h-omni", "<image>", 256, (256, 512), hf_tol=5e-3, pixel_dtype=torch.bfloat16,
                one_image_per_prompt=True)
 OMNI_ANCHORS = 64  # the Nemotron-H Omni server's interval anchors: Mamba2's chunk
+# NVIDIA's earlier releases under the same SGLang class: the Omni's weights, their own config.json (transformers has
+# neither model_type, so their reference is the Omni build: test_a_nano_release_differs_from_the_omni_in_its_config)
+NANO_VL = replace(OMNI, preset="tiny-nemotron-h-nano-vl", reference=OMNI.preset)
+NANO_OMNI = replace(OMNI, preset="tiny-nemotron-h-nano-omni", reference=OMNI.preset)
+OMNI_FLAGS = ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32", "--tail-replay-fold-tokens", "0",
+              "--tail-replay-anchor-interval", str(OMNI_ANCHORS))
 # server name -> (wrapper, flags, env)
 SERVERS = {
     "minicpmv-anchored": (MINICPMV, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
@@ -79,12 +89,15 @@ SERVERS = {
                                 "--tail-replay-fold-tokens", "0"), {}),
     "lfm2vl": (LFM2VL, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32"),
                {"SGLANG_MAMBA_CONV_DTYPE": "float32"}),
-    "nemotron-omni": (OMNI, ("--enable-tail-replay", "--enable-cache-report", "--dtype", "float32",
-                             "--tail-replay-fold-tokens", "0", "--tail-replay-anchor-interval", str(OMNI_ANCHORS)), {}),
+    "nemotron-omni": (OMNI, OMNI_FLAGS, {}),
+    "nemotron-nano-vl": (NANO_VL, OMNI_FLAGS, {}),
+    "nemotron-nano-omni": (NANO_OMNI, OMNI_FLAGS, {}),
 }
-HF_SERVERS = ("minicpmv-anchored", "minicpmv47", "lfm2vl", "nemotron-omni")  # one per model
+HF_SERVERS = ("minicpmv-anchored", "minicpmv47", "lfm2vl", "nemotron-omni", "nemotron-nano-vl",
+              "nemotron-nano-omni")  # one per model
 # server -> the grid its replays start on: an interval anchor inside an image's rows
-ANCHOR_GRID = {"minicpmv-anchored": CHUNK, "minicpmv47": CHUNK, "nemotron-omni": OMNI_ANCHORS}
+ANCHOR_GRID = {"minicpmv-anchored": CHUNK, "minicpmv47": CHUNK, "nemotron-omni": OMNI_ANCHORS,
+               "nemotron-nano-vl": OMNI_ANCHORS, "nemotron-nano-omni": OMNI_ANCHORS}
 
 
 def prompt(content: str) -> str:
@@ -104,11 +117,24 @@ def hf():
     loaded = {}
 
     def get(wrapper: Wrapper):
-        if wrapper.preset not in loaded:
-            path = build_model(wrapper.preset, MODELS_DIR / wrapper.preset)
-            loaded[wrapper.preset] = load_hf_model(path), AutoProcessor.from_pretrained(path)
-        return loaded[wrapper.preset]
+        preset = wrapper.reference or wrapper.preset
+        if preset not in loaded:
+            path = build_model(preset, MODELS_DIR / preset)
+            loaded[preset] = load_hf_model(path), AutoProcessor.from_pretrained(path)
+        return loaded[preset]
     return get
+
+
+@pytest.mark.parametrize("wrapper", [NANO_VL, NANO_OMNI], ids=lambda w: w.preset)
+def test_a_nano_release_differs_from_the_omni_in_its_config_alone(wrapper):
+    """The reference of a checkpoint transformers cannot load is the Omni build: the same weights, byte for byte, and
+    a config.json that names another architecture and model_type (SGLang serves all three with one class)."""
+    release, omni = (build_model(p, MODELS_DIR / p) for p in (wrapper.preset, wrapper.reference))
+    assert (release / "model.safetensors").read_bytes() == (omni / "model.safetensors").read_bytes()
+    config, omni_config = (json.loads((p / "config.json").read_text()) for p in (release, omni))
+    (architecture,) = config.pop("architectures")
+    assert architecture == config.pop("model_type") != omni_config.pop("model_type")
+    assert omni_config.pop("architectures") == ["NemotronH_Omni_Reasoning_V3"] and config == omni_config
 
 
 def image_rows(processor, text: str, images) -> list[int]:
