@@ -36,21 +36,22 @@ UNITS = {
 }
 _UNIT_OF = {module: unit for unit, modules in UNITS.items() for module in modules}
 SHARED_SERVER_MODULES = UNITS[SHARED_SERVER_GROUP]
-# Seconds per unit in the last clean-clone CI run on two workers (9ee6a9b, junit times); a module not listed counts 0
-# (it runs after the listed ones, in collection order). Only the order depends on these: a stale figure costs
+# Seconds per unit in a clean-clone CI run on two workers (af2886a, junit times, 2026-12-07); a module not listed counts
+# 0 (it runs after the listed ones, in collection order). Only the order depends on these: a stale figure costs
 # balance, not correctness.
 MODULE_SECONDS = {
-    "tests/test_speculative.py": 256, "tests/test_production_path.py": 171, "tests/test_hybrid_families.py": 169,
-    "tests/test_reliability.py": 135, "tests/test_dp_attention.py": 143, "tests/test_quality_bench.py": 96,
-    "tests/test_kernels.py": 77, "tests/test_scale_out.py": 69, "tests/test_anchored_replay.py": 68,
-    "tests/test_ttft_gpu.py": 44, "tests/test_vision_language.py": 42, "tests/test_olmo_hybrid.py": 41,
-    "tests/test_training.py": 41, "tests/test_lfm2.py": 55, "tests/test_retraction.py": 35,
-    "tests/test_vision_wrappers.py": 80,
-    "tests/test_cache_properties.py": 37, "tests/cpu_compat/test_cpu_ops.py": 35, "tests/test_flags.py": 32,
-    # test_python_api 172, test_pd 141, test_bench 139, test_tail_replay 84, test_router 29, test_server 9
-    SHARED_SERVER_GROUP: 574,
-    "host-memory": 240,  # test_hicache 69, test_hicache_tail_replay 59, test_mooncake_store 87 (9fa2167),
-    # test_two_servers about 25 (measured alone, 2026-12-06)
+    # test_python_api 311, test_bench 254, test_tail_replay 171, test_pd 163, test_router 37, test_server 8
+    SHARED_SERVER_GROUP: 944,
+    "tests/test_hybrid_families.py": 624,
+    "host-memory": 535,  # test_mooncake_store 285, test_hicache_tail_replay 116, test_hicache 82, test_two_servers 51
+    "tests/test_speculative.py": 408, "tests/test_scale_out.py": 273, "tests/test_dp_attention.py": 266,
+    "tests/test_production_path.py": 185, "tests/test_reliability.py": 147, "tests/test_quality_bench.py": 131,
+    "tests/test_kernels.py": 116, "tests/test_anchored_replay.py": 99, "tests/test_vision_wrappers.py": 97,
+    "tests/test_qwen38.py": 83, "tests/test_lfm2.py": 72, "tests/test_dp_collectives.py": 71,
+    "tests/test_flags.py": 63, "tests/test_olmo_hybrid.py": 62, "tests/test_retraction.py": 61,
+    "tests/test_training.py": 60, "tests/test_vision_language.py": 54, "tests/test_ttft_gpu.py": 47,
+    "tests/test_cache_properties.py": 40, "tests/cpu_compat/test_cpu_ops.py": 37, "tests/test_structure.py": 22,
+    "tests/test_families.py": 21,
 }
 
 
