@@ -422,14 +422,13 @@ def host_reserve_env() -> dict:
 
 def hicache_spec(model, l3_folder: Path | None, gpu_scheduling: bool, *extra: str) -> Spec:
     """A HiCache server with 1,200-token device pools and its L3 (`file`) in `l3_folder` (None: the host tier
-    alone). Three at a time: SGLang keeps 10 GiB of host memory free of its host pools, so six starting at once
-    (three per module) ran out."""
+    alone). Three at a time (the host-memory unit in tests/parallel.py), each keeping HOST_RESERVE_GIB free."""
+    flags, env = HICACHE, host_reserve_env()
     if l3_folder is None:
         flags = tuple(f for i, f in enumerate(HICACHE) if "storage" not in f and "storage" not in HICACHE[i - 1])
-        return Spec(model, flags + extra, env=host_reserve_env(),
-                    kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
-    return Spec(model, HICACHE + extra,
-                env={**host_reserve_env(), "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(l3_folder)},
+    else:
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(l3_folder)
+    return Spec(model, flags + extra, env=env,
                 kwargs={"max_total_tokens": HICACHE_DEVICE_TOKENS, "gpu_scheduling": gpu_scheduling})
 
 
