@@ -368,6 +368,9 @@ def _mamba2_form(config: dict) -> tuple[int, int, int, int, int, int]:
         heads, head_k = jet["num_heads"], jet["head_dim"]
         head_v = int(head_k * jet["expand_v"])
         return heads * head_v, heads, heads, head_v, head_k, jet["conv_size"]
+    if config.get("cca"):  # ZAYA1's CCA (configs/zaya.py mamba2_cache_params): conv[0] over q || k, no SSM state
+        width = config.get("cca_time0", 2) + config.get("cca_time1", 2) - 1  # conv[1]: in `mamba_slot_bytes`
+        return (config["num_attention_heads"] + config["num_key_value_heads"]) * config["head_dim"], 0, 0, 0, 0, width
     if "conv_L_cache" in config:  # LFM2's short conv: a conv over the hidden size, no SSM state
         return config["hidden_size"], 0, 0, 0, 0, config["conv_L_cache"]
     if "layer_group_size" in config:  # BailingHybridConfig.mamba2_cache_params without KDA: conv_kernel 1
@@ -461,6 +464,8 @@ def mamba_slot_bytes(config: dict, n_gdn_layers: int, tp: int = 1) -> dict:
     conv_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_CONV_DTYPE", "bfloat16")]
     ssm_dtype = DTYPES[os.environ.get("SGLANG_MAMBA_SSM_DTYPE") or config.get("mamba_ssm_dtype") or "float32"]
     conv = conv_dim * (width - 1) * conv_dtype.itemsize
+    if config.get("cca"):  # ZAYA1's conv[1]: the layer's last input, whole on every rank
+        conv += config["hidden_size"] * conv_dtype.itemsize
     ssm = ssm_values * ssm_dtype.itemsize
     return {"conv_bytes": conv * n_gdn_layers, "ssm_bytes": ssm * n_gdn_layers,
             "total_bytes": (conv + ssm) * n_gdn_layers, "conv_dtype": _dtype_name(conv_dtype),
@@ -557,6 +562,9 @@ def _layer_counts(config: dict) -> tuple[int, int, tuple[int, ...]]:
     if is_parallel_hybrid(config.get("architectures") or ()):
         n = config["num_hidden_layers"]
         return n, n, tuple(range(1, n))
+    if config.get("cca"):  # ZAYA1: every CCA layer keeps KV and a conv state; one group fed by the embeddings
+        n = sum(1 for kind in layer_kinds(ConfigAttrs(config)) if kind == LINEAR)
+        return n, n, ()
     layout = HybridLayout(tuple(BLOCK_KINDS.get(t, t) for t in config["layer_types"]), config["hidden_size"])
     return (layout.layer_types.count(FULL), layout.layer_types.count(LINEAR),
             tuple(g.first_layer for g in layout.stored_groups))

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp
+from tailreplay_eval import jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp, zaya
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -373,6 +373,12 @@ PRESETS: dict[str, Preset] = {
         model_type="lfm2_moe", **TINY, short_conv=ShortConv(pattern="CC*CCC*C"),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0),
     ),
+    # ZAYA1 (zaya, `tailreplay_eval.zaya`): 4 of transformers' layers (SGLang's 8: CCA attention, then MoE), 4 heads
+    # over 2 KV heads of 16, half of each rotated at theta 1e4, 4 experts (one per token) routed through a 32-wide MLP.
+    "tiny-zaya": Preset(
+        model_type="zaya", **dict(TINY, num_hidden_layers=4), rope_theta=10_000.0, partial_rotary_factor=0.5,
+        moe=MoE(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=0),
+    ),
     "small": Preset(
         model_type="qwen3_5_text", num_hidden_layers=12, hidden_size=512, intermediate_size=1536, vocab_size=1024,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64,
@@ -700,7 +706,26 @@ def nvidia_config_fields(config: dict) -> dict:
     return config
 
 
+def zaya_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    """transformers' ZayaConfig: `num_hidden_layers` of its layers (each CCA attention and a MoE), every one a full
+    causal one (`hybrid`), the router's MLP half the hidden size."""
+    return AutoConfig.for_model(
+        "zaya", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim, num_experts=preset.moe.num_experts,
+        num_experts_per_tok=preset.moe.num_experts_per_tok, moe_intermediate_size=preset.moe.moe_intermediate_size,
+        router_hidden_size=preset.hidden_size // 2, max_position_embeddings=preset.max_position_embeddings,
+        rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": preset.rope_theta,
+                                    "partial_rotary_factor": preset.partial_rotary_factor}},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+
+
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
+    if preset.model_type == "zaya":
+        return zaya_config(preset, tokenizer)
     if preset.model_type == "nemotron_h":
         return nemotron_h_config(preset, tokenizer)
     if preset.model_type == "granitemoehybrid":
@@ -844,6 +869,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _init_kda_gates(model)
     if config.model_type in ("lfm2", "lfm2_moe", "lfm2_vl"):
         _init_short_conv(model)
+    if config.model_type == "zaya":
+        zaya.init_tiny(model)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 
@@ -928,6 +955,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         nemotron_omni.name_unk_token(staging)
     elif preset.model_type == "qwen4_exp":
         qwen4exp.serving_dtypes(config_file)
+    elif preset.model_type == "zaya":  # as Zyphra ships ZAYA1, which SGLang loads (transformers writes its own names)
+        zaya.to_zyphra(staging)
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     _write_marker(staging, record, model.num_parameters())

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import jet_nemotron, kimi_k3, ling, ling25, nemotron_puzzle
+from tailreplay_eval import jet_nemotron, kimi_k3, ling, ling25, nemotron_puzzle, zaya
 
 # modeling module -> names of GDN functions that transformers routes to fla when it is installed
 _GDN_FUNCTIONS = {
@@ -73,6 +73,8 @@ def load_reference(model_path, dtype=torch.float32):
         return load_ling_reference(Path(model_path), dtype)
     if config.get("architectures") == [kimi_k3.K3_ARCHITECTURE]:
         return load_kimi_k3_reference(Path(model_path), dtype)
+    if config.get("architectures") == [zaya.ARCHITECTURE]:  # Zyphra's layout, renamed back for transformers
+        return zaya.load_reference(Path(model_path), dtype)
     if config.get("architectures") == [nemotron_puzzle.ARCHITECTURE]:
         force_torch_gdn()
         return nemotron_puzzle.load_reference(Path(model_path), dtype)

@@ -15,6 +15,7 @@ GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "
 HYPER_GDN = "gdn_hc"  # GDN under hyper-connection streams (families/hyper_gdn.py)
 JET = "jet"  # Jet-Nemotron's JetBlock: a gated delta rule over dynamically convolved values (families/jet.py)
 KDA_ATTN_RES = "kda_attn_res"  # KDA under attention residuals (Kimi K3; families/attn_res_kda.py)
+CCA = "cca"  # ZAYA1's CCA attention: a conv window and the previous input per request beside its KV (families/cca.py)
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
 SERVED = {
@@ -45,6 +46,8 @@ SERVED = {
                                     "full attention)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
                                                     "hyper-connection streams; without per-layer embeddings)"),
+    "ZayaForCausalLM": (CCA, "ZAYA1 (CCA attention, whose conv over q and k and delayed value keep a few tokens' "
+                             "state per request beside its KV; MoE)"),
     "KimiK3LinearForCausalLM": (KDA_ATTN_RES, "Kimi K3, text (KDA + gated NoPE MLA under attention residuals; "
                                               "without the latent MoE)"),
 }
@@ -82,8 +85,6 @@ REFUSED = {
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
     "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
     "JetVLMForConditionalGeneration": ("JetVLM: Jet-Nemotron under a vision tower; " + _UNTESTED),
-    "ZayaForCausalLM": ("ZAYA1: CCA attention keeps a per-request conv tail and delayed value beside its KV, "
-                        + _NO_FAMILY),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
     "InternS2PreviewForConditionalGeneration": ("InternS2-Preview: a Qwen3.5-layout GDN hybrid; " + _UNTESTED),
     "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailreplay_sglang.architectures import (GDN, HYPER_GDN, JET, KDA, KDA_ATTN_RES, LIGHTNING,  # noqa: F401
+from tailreplay_sglang.architectures import (CCA, GDN, HYPER_GDN, JET, KDA, KDA_ATTN_RES, LIGHTNING,  # noqa: F401
                                              MAMBA2, SHORT_CONV, family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -61,7 +61,9 @@ class HybridLayout:
     stores_embeddings: bool = False  # group 0's input is stored too (vision-language checkpoints)
     mixer: str = GDN  # the recurrent mixer: GDN, MAMBA2, KDA or LIGHTNING
     chunk_size: int | None = None  # Mamba2: the SSD scan's chunk (mamba_chunk_size), the grid of its per-chunk states
-    conv_kernel: int | None = None  # LFM2's short conv: its width (conv_L_cache); its state is the last width - 1 rows
+    # LFM2's short conv: its width (conv_L_cache); ZAYA1's CCA: its two convs' joint width (cca_time0 + cca_time1 - 1).
+    # Either layer's state is a function of its last conv_kernel - 1 inputs.
+    conv_kernel: int | None = None
     streams: int = 1  # the residual stream's hyper-connection streams (Qwen3.8-Flash-Next: hc_count), all stored
 
     @property
@@ -108,7 +110,7 @@ class HybridLayout:
         mixer = mixer_of(getattr(config, "architectures", None) or ())
         return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
                    chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None,
-                   conv_kernel=text.conv_L_cache if mixer == SHORT_CONV else None,
+                   conv_kernel=conv_kernel(text, mixer),
                    streams=getattr(text, "hc_count", 1) if mixer == HYPER_GDN else 1)
 
     @classmethod
@@ -125,7 +127,7 @@ class HybridLayout:
             mixer = mixer_of(raw.get("architectures") or ())
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
                        mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None,
-                       conv_kernel=text.get("conv_L_cache", 3) if mixer == SHORT_CONV else None,
+                       conv_kernel=conv_kernel(ConfigAttrs(text), mixer),
                        streams=text.get("hc_count", 1) if mixer == HYPER_GDN else 1)
         from transformers import AutoConfig
 
@@ -259,7 +261,21 @@ def mixer_of(architectures) -> str:
     return family_of(architectures)
 
 
+def conv_kernel(text_config, mixer: str) -> int | None:
+    """The width whose last inputs (less one) are a layer's whole state: LFM2's conv (`conv_L_cache`, 3 by
+    default) or ZAYA1's two CCA convs together; None for the other mixers."""
+    if mixer == SHORT_CONV:
+        return getattr(text_config, "conv_L_cache", 3)
+    if mixer == CCA:
+        return getattr(text_config, "cca_time0", 2) + getattr(text_config, "cca_time1", 2) - 1
+    return None
+
+
 def layer_kinds(text_config) -> tuple[str, ...]:
+    if getattr(text_config, "cca", False):  # ZAYA1: its CCA attention layers hold a conv state beside their KV and
+        layers = getattr(text_config, "zaya_layers", None)  # are the recurrent ones; the others are MoE
+        n = len(layers) if layers else text_config.num_hidden_layers
+        return tuple(LINEAR if (layers[i] == "a" if layers else i % 2 == 0) else MOE for i in range(n))
     linear = getattr(text_config, "linear_attn_config", None)
     if linear:  # Kimi Linear as Moonshot writes it: 1-indexed KDA layers, the rest MLA
         kda = set(linear["kda_layers"])

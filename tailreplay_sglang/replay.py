@@ -65,7 +65,7 @@ def plan(runner, pool_rows: list[int], rows: list[tuple[int, Match, object]],
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return ReplayBatch(torch.cat(spans), pin(cu).to(device, non_blocking=True), mamba_slots, lens, reqs,
-                       needs_survival=not exact, tail_starts=starts, cu_seqlens_cpu=cu)
+                       needs_survival=not exact, tail_starts=starts, cu_seqlens_cpu=cu, pool_rows=mamba_rows)
 
 
 def _upload(values: list[int], device) -> torch.Tensor:
@@ -105,6 +105,7 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
     h2d = HostToDevice(runner.device, h2d_mode)
     wait_for_loaded_rows(runner)
     inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
+    batch.kv_pool = runner.token_to_kv_pool
     batch.log_survival = torch.full((len(batch.reqs),), float("-inf"), device=batch.mamba_slots.device)
     for group in store.layout.groups:
         key = group.first_layer if store.is_stored(group.first_layer) else TOKENS

@@ -385,6 +385,35 @@ def check_concurrent_hits(server, model, tok, system_ids, new_tokens) -> None:
         assert out["output_ids"] == greedy_generate(model, ids, new_tokens)
 
 
+def check_window_hits(server, tok, new_tokens: int, reference) -> None:
+    """A window family's (LFM2, ZAYA1) chat turn and burst: a second turn hits the first turn's prompt and answer
+    (captured at decode); eight requests sharing a system prompt hit it at once, each replaying its window in one
+    pass. Every hit is labelled exact, the pools stay whole, and each output equals `reference(ids)` (taken last: a
+    server's own no-cache run flushes its cache)."""
+    from soak import pool_leaks, wait_idle
+
+    flush_cache(server.base_url)
+    turn1 = tok("the old sailor carried the wooden boxes near the harbour").input_ids
+    question = tok(" and a follow-up question?").input_ids
+    turn2 = turn1 + generate(server, turn1, new_tokens)["output_ids"] + question
+    out = generate(server, turn2, new_tokens)
+    assert out["meta_info"]["cached_tokens"] >= len(turn2) - len(question) - 1
+    assert out["meta_info"]["tail_replay_exact"] is True
+    hits = [(turn2, out)]
+    system = tok("you are a careful assistant. the young engineer repaired a broken window in the library").input_ids
+    generate(server, system, 1)
+    prompts = [system + tok(" question" * (i + 1)).input_ids for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: generate(server, p, new_tokens), prompts))
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] >= len(system) - 1 and meta["tail_replay_exact"] is True, meta
+    hits += list(zip(prompts, outs))
+    assert pool_leaks(wait_idle(server.base_url)) == []
+    for ids, out in hits:
+        assert out["output_ids"] == reference(ids)
+
+
 def hook_registry_callers(package) -> list[str]:
     """Modules of a package folder that call `HookRegistry.register` themselves, relative to it."""
     callers = []

@@ -240,6 +240,23 @@ MUTANTS = (
            '                   widened(kwargs["residual"], store.layout.streams, store.layout.hidden_size))',
            ("tests/test_lfm2.py::test_a_hit_at_any_token_replays_the_window_from_zero_and_equals_no_cache",),
            server=True),
+    Mutant("zaya-window-short", "ZAYA1's replay window one token short of W x the CCA layers",
+           "tailreplay_sglang/families/cca.py",
+           "        return (layout.conv_kernel - 1) * sum(len(group.recurrent_layers) for group in layout.groups)",
+           "        return (layout.conv_kernel - 1) * sum(len(group.recurrent_layers) for group in layout.groups) - 1",
+           ("tests/test_zaya.py::test_a_hit_at_any_token_replays_the_window_and_equals_no_cache",), server=True),
+    Mutant("zaya-unrotated-query", "ZAYA1's replayed queries attend to the cached (rotated) keys without their own "
+           "rotary embedding", "tailreplay_sglang/families/cca.py",
+           "    out = cached_kv_attention(q.view(t, cca.num_q_heads, d), batch, context, attn.attn.layer_id, "
+           "attn.scale)",
+           "    out = cached_kv_attention(query.to(h.dtype), batch, context, attn.attn.layer_id, attn.scale)",
+           ("tests/test_zaya.py::test_a_hit_at_any_token_replays_the_window_and_equals_no_cache",), server=True),
+    Mutant("zaya-tail-only-attention", "ZAYA1's replayed queries attend only to the replayed tail's cached KV, not "
+           "the whole matched prefix", "tailreplay_sglang/families/cca.py",
+           "            self.kv_rows.append(pool.req_to_token[row, :end].long())",
+           "            self.kv_rows.append(pool.req_to_token[row, :end].long()); self.masks.append(None); "
+           "self.masks.pop(); self.kv_rows[-1][:start] = self.kv_rows[-1][start]",
+           ("tests/test_zaya.py::test_a_hit_at_any_token_replays_the_window_and_equals_no_cache",), server=True),
     Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL) re-embeds the ids of an "
            "image's rows instead of reading the stored group-0 input (the vision tower's features)",
            "tailreplay_sglang/layout.py",

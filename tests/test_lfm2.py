@@ -16,15 +16,13 @@ residual stream, that rounding moved decode log-probs by up to 2.5e-3 nats again
 GPU-default scheduling keeps SGLang's default and is checked against its own no-cache runs.
 """
 
-import concurrent.futures
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import (MODELS_DIR, Spec, assert_exact, dumped_states, faults_env, generate, no_cache, random_ids, scored,
-                     start_servers)
-from soak import pool_leaks, wait_idle
+from helpers import (MODELS_DIR, Spec, assert_exact, check_window_hits, dumped_states, faults_env, generate, no_cache,
+                     random_ids, scored, start_servers)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import greedy_generate, layer_states, load_hf_model, prompt_logprobs
 from tailreplay_eval.server import flush_cache
@@ -125,22 +123,4 @@ def test_multi_turn_and_eight_concurrent_hits(servers, hf, name):
         flush_cache(server.base_url)
         return generate(server, ids, NEW)["output_ids"]
 
-    flush_cache(server.base_url)
-    turn1 = tok("the old sailor carried the wooden boxes near the harbour").input_ids
-    turn2 = turn1 + generate(server, turn1, NEW)["output_ids"] + tok(" and a follow-up question?").input_ids
-    out = generate(server, turn2, NEW)
-    assert out["meta_info"]["cached_tokens"] >= len(turn2) - len(tok(" and a follow-up question?").input_ids) - 1
-    assert out["meta_info"]["tail_replay_exact"] is True
-    hits = [(turn2, out)]
-    system = tok("you are a careful assistant. the young engineer repaired a broken window in the library").input_ids
-    generate(server, system, 1)
-    prompts = [system + tok(" question" * (i + 1)).input_ids for i in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda p: generate(server, p, NEW), prompts))
-    for out in outs:
-        meta = out["meta_info"]
-        assert meta["cached_tokens"] >= len(system) - 1 and meta["tail_replay_exact"] is True, meta
-    hits += list(zip(prompts, outs))
-    assert pool_leaks(wait_idle(server.base_url)) == []
-    for ids, out in hits:  # references last: the no-cache runs flush the cache
-        assert out["output_ids"] == reference(ids)
+    check_window_hits(server, tok, NEW, reference)

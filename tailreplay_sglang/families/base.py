@@ -27,6 +27,8 @@ class ReplayBatch:
     tail_starts: list[int] | None = None  # each tail's first position in its sequence (families whose mixer rotates)
     # [n + 1] cu_seqlens on the host, for kernels that would otherwise read them back (fla's chunk kernel: review H)
     cu_seqlens_cpu: torch.Tensor | None = None
+    pool_rows: list[int] | None = None  # [n] each request's row in the request-to-token pool
+    kv_pool: object | None = None  # the runner's KV pool, for families whose replay attends to the cached KV (cca)
     # What a family builds once per pass and every group reuses, under the family's name (short_conv: its kernel)
     pass_state: dict = field(default_factory=dict)
 

@@ -23,8 +23,9 @@ available RAM (written, so resident) between SGLang's first free-memory reading 
 it back once the pools exist: another server starting beside this one, at the worst moment, every time (issue 65 item
 3; it prints `test neighbour holds <GiB> GiB during the load` to the server's log).
 With `TAILREPLAY_DUMP_REPLAYED_STATES` naming a folder, every replay pass saves the recurrent states it rebuilt for
-each request whose rid starts with `dump-`, as `{"temporal": {layer id: [HV, V, K]}, "conv": {layer id: [dim, K - 1]}}`
-(float32; a pool without recurrent states, LFM2's, has no "temporal" entries) in `<folder>/<rid>.pt`: a probe,
+each request whose rid starts with `dump-`, as `{"temporal": {layer id: [HV, V, K]}, "conv": {layer id: [dim, K - 1]},
+"conv1": {layer id: ...}}` (float32; a pool without recurrent states, LFM2's, has no "temporal" entries; "conv1" holds a
+second conv state where the pool keeps one, ZAYA1's previous input) in `<folder>/<rid>.pt`: a probe,
 so that a test compares rebuilt states with HF's directly (issue 65 class 10: a fault in the replay's feed-forward
 collectives moved the next tokens' log-probs by only about the exactness tolerance on the tiny models).
 With `TAILREPLAY_TEST_HOST_RESERVE_GIB` set, SGLang keeps that much host memory free of its HiCache host pools instead
@@ -151,6 +152,8 @@ def dump_replayed_states(result, runner, *args, **kwargs):
         if str(req.rid).startswith("dump-"):
             caches = {layer_id: pool.mamba2_layer_cache(layer_id) for layer_id in pool.mamba_map}
             states = {"conv": {i: c.conv[0][slot].float().clone() for i, c in caches.items()},
+                      # a second conv state where the pool has one (ZAYA1's prev_hs: the layer's last input)
+                      "conv1": {i: c.conv[1][slot].float().clone() for i, c in caches.items() if len(c.conv) > 1},
                       "temporal": {i: c.temporal[slot].float().clone() for i, c in caches.items()
                                    if getattr(c, "temporal", None) is not None and c.temporal.numel()}}
             torch.save(states, Path(os.environ[DUMP_ENV]) / f"{req.rid}.pt")
