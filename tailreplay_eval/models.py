@@ -193,8 +193,9 @@ class Preset:
     # Jet-Nemotron (model_type jet_nemotron): its JetBlock and attention layers; num_hidden_layers is the pattern's
     # length. Built without transformers (`tailreplay_eval.jet_nemotron`).
     jet: Jet | None = None
-    # Nemotron-H Omni's build written as one of NVIDIA's earlier releases of the same SGLang class
-    # (`nemotron_omni.NANO_RELEASES`: NemotronH_Nano_VL_V2, NemotronH_Nano_Omni_Reasoning_V3); None: the Omni.
+    # The build written as another release of the same SGLang class: Nemotron-H Omni's as one of NVIDIA's earlier
+    # releases (`nemotron_omni.NANO_RELEASES`: NemotronH_Nano_VL_V2, NemotronH_Nano_Omni_Reasoning_V3), Qwen3.5-MoE's
+    # vision-language one as InternS2-Preview (`QWEN_RELEASES`); None: the model itself.
     released_as: str | None = None
     # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
     # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
@@ -204,6 +205,9 @@ class Preset:
 # model_type -> the module that builds a vision wrapper's config, processor and marker tokens
 VISION_WRAPPERS = {"minicpmv4_6": minicpmv, "minicpmv4_7": minicpmv, "lfm2_vl": lfm2vl,
                    "nemotron_h_omni": nemotron_omni}
+
+# Architectures SGLang serves with a Qwen3.5 vision-language class unchanged -> the model_type their config.json names
+QWEN_RELEASES = {"InternS2PreviewForConditionalGeneration": "intern_s2_preview"}
 
 # The test models' sizes (under a million parameters), shared by every family's tiny preset.
 TINY = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, linear_num_key_heads=2,
@@ -393,6 +397,12 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=65536, dtype="bfloat16",
     ),
 }
+
+# InternS2-Preview (intern_s2_preview): SGLang serves it with Qwen3.5-MoE's vision-language class unchanged
+# (`models/interns2preview.py` subclasses it, its config Qwen3.5-MoE's), so tiny-qwen35-moe-vl's build (the same preset
+# and seed: the same weights) with a config.json naming InternS2-Preview (`QWEN_RELEASES`).
+PRESETS["tiny-interns2-preview"] = replace(PRESETS["tiny-qwen35-moe-vl"],
+                                           released_as="InternS2PreviewForConditionalGeneration")
 
 # Benchmark-size Mamba2 hybrids, the sizes of "small" (hidden 512, 12 layers, 2 attention layers of 4 x 128 heads):
 # Mamba2 mixers of 16 heads x 64 (expand 2), 4 groups of state 64, 128-token chunks.
@@ -957,6 +967,10 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         qwen4exp.serving_dtypes(config_file)
     elif preset.model_type == "zaya":  # as Zyphra ships ZAYA1, which SGLang loads (transformers writes its own names)
         zaya.to_zyphra(staging)
+    elif preset.released_as in QWEN_RELEASES:  # the Qwen build as another release of its SGLang class: config only
+        config = json.loads(config_file.read_text())
+        config.update(architectures=[preset.released_as], model_type=QWEN_RELEASES[preset.released_as])
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
     if preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     _write_marker(staging, record, model.num_parameters())

@@ -34,6 +34,8 @@ SERVED = {
     "Lfm2ForCausalLM": (SHORT_CONV, "LFM2 (gated short conv + GQA)"),
     "Lfm2MoeForCausalLM": (SHORT_CONV, "LFM2-MoE (gated short conv + GQA, MoE)"),
     "Lfm2VlForConditionalGeneration": (SHORT_CONV, "LFM2-VL (LFM2 under a SigLIP2 vision tower)"),
+    "InternS2PreviewForConditionalGeneration": (GDN, "InternS2-Preview (SGLang's Qwen3.5 MoE vision-language class "
+                                                     "unchanged)"),
     "MiniCPMV4_6ForConditionalGeneration": (GDN, "MiniCPM-V 4.6 (a Qwen3.5 language model under MiniCPM-V's vision "
                                                   "tower)"),
     "MiniCPMV4_7ForConditionalGeneration": (GDN, "MiniCPM-V 4.7 (MiniCPM-V 4.6 with canvas M-RoPE)"),
@@ -86,7 +88,6 @@ REFUSED = {
     "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
     "JetVLMForConditionalGeneration": ("JetVLM: Jet-Nemotron under a vision tower; " + _UNTESTED),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
-    "InternS2PreviewForConditionalGeneration": ("InternS2-Preview: a Qwen3.5-layout GDN hybrid; " + _UNTESTED),
     "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "
                                                "banks; " + _UNTESTED),
     "GigaChat35ForCausalLM": ("GigaChat3.5: a GDN hybrid from SGLang's linear-attention registry; " + _UNTESTED),

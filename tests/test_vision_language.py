@@ -1,5 +1,8 @@
 """Qwen3.5 as Qwen publishes it: vision-language checkpoints (`Qwen3_5ForConditionalGeneration`,
-`Qwen3_5MoeForConditionalGeneration`, tiny presets with a vision tower and a processor), images in prompts and chats.
+`Qwen3_5MoeForConditionalGeneration`, tiny presets with a vision tower and a processor), images in prompts and chats;
+and InternS2-Preview (`InternS2PreviewForConditionalGeneration`), which SGLang serves with the MoE class unchanged:
+the MoE build under InternS2-Preview's config, checked against HF's Qwen3.5-MoE (transformers has no
+intern_s2_preview).
 
 SGLang keys an image's tokens in the radix tree by a hash of the image and feeds the first layer the vision tower's
 features in their rows, so a replay over an image must start from what the first layer got, not from re-embedded
@@ -16,8 +19,9 @@ import requests
 import torch
 from transformers import AutoProcessor
 
-from helpers import (EXACT_FLAGS, EXACT_TOL, Spec, data_uri, exact_errors, generate, image, no_cache, scored,
-                     start_servers, with_images)
+from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, data_uri, exact_errors, generate, image, no_cache,
+                     scored, start_servers, with_images)
+from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import flush_cache
 
@@ -41,17 +45,24 @@ def prompt(content: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tmp_path_factory):
+def tiny_interns2_preview():
+    return build_model("tiny-interns2-preview", MODELS_DIR / "tiny-interns2-preview")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen35_vl, tiny_qwen35_moe_vl, tiny_interns2_preview, tmp_path_factory):
     """Started together:
     - anchored: Tail-Replay's defaults, prefill chunks of CHUNK tokens so that anchors sit inside images, and every
       span replayed (--tail-replay-fold-tokens 0), since the replay through an image is what is checked;
-    - paper_moe: the MoE checkpoint in the paper's mode, replaying the whole prefix from a cleared state.
+    - paper_moe: the MoE checkpoint in the paper's mode, replaying the whole prefix from a cleared state;
+    - interns2: the same checkpoint as InternS2-Preview, in the same mode.
     The HF comparisons run on them with the cache flushed: a request with no hit is SGLang's own forward of the
     checkpoint (the plugin only reads it)."""
     yield from start_servers(tmp_path_factory, {
         "anchored": Spec(tiny_qwen35_vl, ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size",
                                           str(CHUNK), "--tail-replay-fold-tokens", "0")),
         "paper_moe": Spec(tiny_qwen35_moe_vl, EXACT_FLAGS),
+        "interns2": Spec(tiny_interns2_preview, EXACT_FLAGS),
     })
 
 
@@ -104,11 +115,27 @@ def test_text_and_images_are_served_as_hf_does(servers, hf_vl, images):
     assert out["meta_info"].get("image_tokens", 0) == images * IMAGE_TOKENS
 
 
-def test_the_moe_checkpoint_serves_an_image_as_hf_does(servers, tiny_qwen35_moe_vl):
-    """Qwen3_5MoeForConditionalGeneration: a request with no hit (cache flushed) is the model's plain forward."""
+@pytest.mark.parametrize("name", ["paper_moe", "interns2"])
+def test_the_moe_checkpoint_serves_an_image_as_hf_does(servers, tiny_qwen35_moe_vl, name):
+    """Qwen3_5MoeForConditionalGeneration, and the same weights as InternS2-Preview: a request with no hit (cache
+    flushed) is the model's plain forward, HF's Qwen3.5-MoE's."""
     hf = load_hf_model(tiny_qwen35_moe_vl), AutoProcessor.from_pretrained(tiny_qwen35_moe_vl)
-    flush_cache(servers["paper_moe"].base_url)
-    assert_serves_as_hf(servers["paper_moe"], hf, prompt(VISION + QUESTION), [image(4)])
+    flush_cache(servers[name].base_url)
+    assert_serves_as_hf(servers[name], hf, prompt(VISION + QUESTION), [image(4)])
+
+
+def test_interns2_preview_differs_from_the_moe_build_in_its_config_alone(tiny_qwen35_moe_vl, tiny_interns2_preview):
+    """What makes HF's Qwen3.5-MoE its reference: the same weight bytes and processor, a config.json that differs in
+    its architecture and model_type only."""
+    import json
+
+    for name in ("model.safetensors", "processor_config.json", "tokenizer.json"):
+        assert (tiny_interns2_preview / name).read_bytes() == (tiny_qwen35_moe_vl / name).read_bytes(), name
+    release, moe = (json.loads((path / "config.json").read_text()) for path in (tiny_interns2_preview,
+                                                                                 tiny_qwen35_moe_vl))
+    assert {k for k in release.keys() | moe.keys() if release.get(k) != moe.get(k)} == {"architectures", "model_type"}
+    assert release["architectures"] == ["InternS2PreviewForConditionalGeneration"]
+    assert release["model_type"] == "intern_s2_preview"
 
 
 # ---- Tail-Replay: every hit that covers an image answers as no cache does ----
@@ -118,7 +145,7 @@ IMAGE_START = 5  # "<|im_start|>user\n<|vision_start|>" is 5 tokens: the image's
 FOLLOW_UP = " Then say which colour covers most of it, and why that might be."
 
 
-@pytest.mark.parametrize("name", ["anchored", "paper_moe"])
+@pytest.mark.parametrize("name", ["anchored", "paper_moe", "interns2"])
 def test_a_hit_through_an_image_equals_no_cache(servers, name):
     """A fork after an image: the second request matches through the image, and (anchored, chunks of CHUNK tokens)
     its replay starts at a chunk-end anchor inside the image."""
@@ -178,7 +205,7 @@ def chat_logprobs(response) -> np.ndarray:
     return np.array([t["logprob"] for t in response["choices"][0]["logprobs"]["content"]])
 
 
-@pytest.mark.parametrize("name", ["anchored", "paper_moe"])
+@pytest.mark.parametrize("name", ["anchored", "paper_moe", "interns2"])
 def test_a_chat_with_an_image_in_its_first_turn_answers_as_no_cache(servers, name):
     """Through the OpenAI-compatible endpoint, the image as a data URI: turn two hits turn one (image, answer and
     all) and answers as the same server does with the cache flushed. Anchored, the replay starts at turn one's end
