@@ -719,8 +719,10 @@ def nvidia_config_fields(config: dict) -> dict:
 def zaya_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     """transformers' ZayaConfig: `num_hidden_layers` of its layers (each CCA attention and a MoE), every one a full
     causal one (`hybrid`), the router's MLP half the hidden size."""
-    return AutoConfig.for_model(
-        "zaya", vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+    from transformers.models.zaya import ZayaConfig  # not AutoConfig: SGLang registers its own ZayaConfig over it
+
+    return ZayaConfig(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_key_value_heads,
         head_dim=preset.head_dim, num_experts=preset.moe.num_experts,

@@ -195,11 +195,14 @@ def delayed_value(model, layer_id: int, prev_hs: torch.Tensor) -> torch.Tensor:
 
 
 def load_reference(checkpoint: Path, dtype=torch.float32):
-    """transformers' ZayaForCausalLM over the Zyphra checkpoint's weights."""
+    """transformers' ZayaForCausalLM over the Zyphra checkpoint's weights. Its classes by name, not through the Auto
+    ones: a process that imported SGLang's configs has SGLang's ZayaConfig registered for `zaya` (Zyphra's fields,
+    which transformers' model cannot read)."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
+    from transformers.models.zaya import ZayaConfig, ZayaForCausalLM
 
     with tempfile.TemporaryDirectory() as folder:
         write_as_hf(checkpoint, Path(folder))
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        config = ZayaConfig.from_pretrained(folder)
+        return ZayaForCausalLM.from_pretrained(folder, config=config, dtype=dtype).eval()

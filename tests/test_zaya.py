@@ -38,6 +38,11 @@ STATE_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model_path():
+    """Built (when not yet) with SGLang's configs imported, as in a test worker that ran a server module first:
+    SGLang then has its own ZayaConfig registered for `zaya` (Zyphra's fields), which the build and the reference
+    must not pick up (the clean-clone CI of 558edc3: "'ZayaConfig' object has no attribute 'layer_types'")."""
+    import sglang.srt.configs  # noqa: F401
+
     return build_model("tiny-zaya", MODELS_DIR / "tiny-zaya")
 
 
