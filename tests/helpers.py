@@ -385,6 +385,21 @@ def check_concurrent_hits(server, model, tok, system_ids, new_tokens) -> None:
         assert out["output_ids"] == greedy_generate(model, ids, new_tokens)
 
 
+def check_cold_prompts(server, model, new_tokens: int, tol: float) -> None:
+    """SGLang's own forward (cache flushed before each prompt; the plugin only reads it) on fresh prompts of 5, 70
+    and 300 tokens: HF's greedy tokens, and every prompt log-prob within `tol` of HF's."""
+    from tailreplay_eval.reference import prompt_logprobs
+
+    for n, seed in ((5, 1), (70, 2), (300, 3)):
+        flush_cache(server.base_url)
+        ids = random_ids(n, seed)
+        out = generate(server, ids, new_tokens, return_logprob=True, logprob_start_len=0)
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert out["output_ids"] == greedy_generate(model, ids, new_tokens)
+        served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+        assert max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids))) < tol
+
+
 def check_window_hits(server, tok, new_tokens: int, reference) -> None:
     """A window family's (LFM2, ZAYA1) chat turn and burst: a second turn hits the first turn's prompt and answer
     (captured at decode); eight requests sharing a system prompt hit it at once, each replaying its window in one

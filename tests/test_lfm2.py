@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import (MODELS_DIR, Spec, assert_exact, check_window_hits, dumped_states, faults_env, generate, no_cache,
-                     random_ids, scored, start_servers)
+from helpers import (MODELS_DIR, Spec, assert_exact, check_cold_prompts, check_window_hits, dumped_states,
+                     faults_env, generate, no_cache, random_ids, scored, start_servers)
 from tailreplay_eval.models import build_model
-from tailreplay_eval.reference import greedy_generate, layer_states, load_hf_model, prompt_logprobs
+from tailreplay_eval.reference import greedy_generate, layer_states, load_hf_model
 from tailreplay_eval.server import flush_cache
 
 pytestmark = pytest.mark.server
@@ -68,16 +68,7 @@ def servers(model_path, tmp_path_factory, dumps):
 
 def test_cold_prompts_equal_hf(servers, hf):
     """SGLang's own forward (cache flushed; the plugin only reads it): HF's greedy tokens and prompt log-probs."""
-    model, _ = hf
-    server = servers["tr"]
-    for n, seed in ((5, 1), (70, 2), (300, 3)):
-        flush_cache(server.base_url)
-        ids = random_ids(n, seed)
-        out = generate(server, ids, NEW, return_logprob=True, logprob_start_len=0)
-        assert out["meta_info"]["cached_tokens"] == 0
-        assert out["output_ids"] == greedy_generate(model, ids, NEW)
-        served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
-        assert max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids))) < LOGPROB_TOL
+    check_cold_prompts(servers["tr"], hf[0], NEW, LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("cut", [1, 4, WINDOW, WINDOW + 1, 150, 301])

@@ -67,10 +67,9 @@ class CcaFamily(Family):
 
     def required(self, model, layout) -> list:
         needs = []
-        for group in layout.groups:
-            attention = [i for i in group.layers if i in group.recurrent_layers]
-            needs += layer_requirements(model, attention, _ATTENTION)
-            needs += layer_requirements(model, [i for i in group.layers if i not in attention], _MOE)
+        for group in layout.groups:  # the CCA layers are the recurrent ones; the MoE layers between them are replayed
+            needs += layer_requirements(model, group.recurrent_layers, _ATTENTION)
+            needs += layer_requirements(model, [i for i in group.layers if i not in group.recurrent_layers], _MOE)
         return needs
 
     def required_kernels(self) -> tuple[str, ...]:
