@@ -32,7 +32,7 @@ from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
 # Bump whenever a change here alters what a preset builds, so cached builds are redone.
-BUILDER_VERSION = 5
+BUILDER_VERSION = 6
 BUILD_MARKER = "tailreplay_build.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -197,8 +197,9 @@ class Preset:
     # releases (`nemotron_omni.NANO_RELEASES`: NemotronH_Nano_VL_V2, NemotronH_Nano_Omni_Reasoning_V3), Qwen3.5-MoE's
     # vision-language one as InternS2-Preview (`QWEN_RELEASES`); None: the model itself.
     released_as: str | None = None
-    # Qwen3.5's multi-token-prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as
-    # Qwen ships them (`tailreplay_eval.mtp`): SGLang serves them as the NEXTN speculative draft.
+    # Qwen3.5's (`tailreplay_eval.mtp`, distilled) or Qwen3.8-Flash-Next's (`qwen4exp.write_mtp_head`) multi-token-
+    # prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as Qwen ships them: SGLang
+    # serves them as the NEXTN speculative draft.
     mtp_layers: int = 0
 
 
@@ -340,10 +341,11 @@ PRESETS: dict[str, Preset] = {
         jet=Jet(pattern="JJ*JJ*", num_heads=4, head_dim=16),
     ),
     # Qwen3.8-Flash-Next (qwen4_exp, `tailreplay_eval.qwen4exp`): tiny-qwen35-moe-vl's build with 4 hyper-connection
-    # streams and QSA sparse attention in its full-attention layers, without per-layer embeddings, in bfloat16.
+    # streams and QSA sparse attention in its full-attention layers, without per-layer embeddings, in bfloat16, with
+    # an undistilled MTP head (`qwen4exp.write_mtp_head`).
     "tiny-qwen3.8-flash-next": Preset(
         model_type="qwen4_exp", **dict(TINY, dtype="bfloat16"), vision=TINY_VISION, partial_rotary_factor=0.5,
-        mrope_section=(2, 1, 1),
+        mrope_section=(2, 1, 1), mtp_layers=1,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # MiniCPM-V 4.6 (minicpmv4_6, `tailreplay_eval.minicpmv`): tiny-qwen35's text stack under a two-layer SigLIP tower
@@ -973,7 +975,9 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config = json.loads(config_file.read_text())
         config.update(architectures=[preset.released_as], model_type=QWEN_RELEASES[preset.released_as])
         config_file.write_text(json.dumps(config, indent=2) + "\n")
-    if preset.mtp_layers:
+    if preset.mtp_layers and preset.model_type == "qwen4_exp":
+        qwen4exp.write_mtp_head(staging, record["seed"])
+    elif preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     _write_marker(staging, record, model.num_parameters())
 

@@ -54,3 +54,37 @@ def serving_dtypes(config_file: Path) -> None:
     for sub in ("text_config", "vision_config"):
         config[sub]["dtype"] = config["dtype"]
     config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_mtp_head(checkpoint: Path, seed: int) -> None:
+    """Add a multi-token-prediction head under `mtp.*`, as Qwen ships it inside the checkpoint, and declare it
+    (`mtp_num_hidden_layers`). SGLang serves it as the NEXTN draft (`models/qwen4_exp_mtp.py`): the target's 4 streams
+    at token i and the embedding of token i + 1, each normed and projected (`fc_hidden` per stream, `fc_embedding`
+    added to every stream), pass one hyper-connected attention layer and the final mixer. The layer starts as a copy
+    of the target's last QSA layer and the projections are drawn from `seed`; no reference model exists to distil it
+    from (transformers' qwen4_exp has no MTP module), so its drafts are rarely accepted: speculative decoding must give
+    the target's tokens whatever the draft says."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config_file, weights = checkpoint / "config.json", checkpoint / "model.safetensors"
+    config = json.loads(config_file.read_text())
+    text = config["text_config"]
+    last_qsa = max(i for i, kind in enumerate(text["layer_types"]) if kind == "indexed_attention")
+    tensors = load_file(weights)
+    stack, layer = "model.language_model.", f"model.language_model.layers.{last_qsa}."
+    for name, tensor in list(tensors.items()):
+        if name.startswith(layer):
+            tensors["mtp.layers.0." + name.removeprefix(layer)] = tensor.clone()
+        elif name.startswith(stack + "hyper_connection_mixer."):
+            tensors["mtp." + name.removeprefix(stack)] = tensor.clone()
+    hidden, dtype = text["hidden_size"], tensors[stack + "embed_tokens.weight"].dtype
+    generator = torch.Generator().manual_seed(seed)
+    for name in ("fc_embedding", "fc_hidden"):
+        tensors[f"mtp.{name}.weight"] = (torch.randn(hidden, hidden, generator=generator) / hidden ** 0.5).to(dtype)
+    # Gemma-style norms (1 + weight): zero is the unit gain
+    tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden, dtype=dtype)
+    tensors["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(text["hc_count"] * hidden, dtype=dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

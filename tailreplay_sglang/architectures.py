@@ -59,6 +59,7 @@ SERVED = {
 DRAFTS = {
     "Qwen3_5ForCausalLMMTP": "Qwen3_5ForConditionalGeneration",
     "Qwen3NextForCausalLMMTP": "Qwen3NextForCausalLM",
+    "Qwen4ExpForCausalLMMTP": "Qwen4ExpForConditionalGeneration",
 }
 
 _NO_FAMILY = "a mixer with no replay family here yet"
@@ -69,7 +70,6 @@ _DRAFT = "an MTP draft of a model Tail-Replay does not serve"
 # registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
 REFUSED = {
     # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
-    "Qwen4ExpForCausalLMMTP": ("Qwen3.8-Flash-Next's MTP draft: speculative decoding is not tested on its family"),
     "Glm5NextForConditionalGeneration": (
         "GLM-5.3-Flash: mHC with 4 Sinkhorn-mixed streams (hc_mult) around KDA and DSA-indexed MLA layers; a group's "
         "input is all 4 streams and the indexer cache is not carried"),

@@ -390,6 +390,13 @@ MUTANTS = (
            "        x = capture.widened(x, hyper.hc_count, hyper.hidden_size)\n"
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_qwen38.py::test_a_fork_replays_every_stream_and_equals_no_cache[paper-300]",), server=True),
+    Mutant("hyper-one-stream-spec", "the same mutation, caught with the MTP draft on (NEXTN, anchored replay)",
+           "tailreplay_sglang/families/hyper_gdn.py",
+           "        return capture.widened(x, hyper.hc_count, hyper.hidden_size)\n",
+           "        x = capture.widened(x, hyper.hc_count, hyper.hidden_size)\n"
+           "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
+           ("tests/test_qwen38.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[200]",),
+           server=True),
 )
 
 

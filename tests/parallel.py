@@ -47,7 +47,7 @@ MODULE_SECONDS = {
     "tests/test_speculative.py": 408, "tests/test_scale_out.py": 273, "tests/test_dp_attention.py": 266,
     "tests/test_production_path.py": 185, "tests/test_reliability.py": 147, "tests/test_quality_bench.py": 131,
     "tests/test_kernels.py": 116, "tests/test_anchored_replay.py": 99, "tests/test_vision_wrappers.py": 97,
-    "tests/test_qwen38.py": 83, "tests/test_zaya.py": 75, "tests/test_lfm2.py": 72, "tests/test_dp_collectives.py": 71,
+    "tests/test_qwen38.py": 175, "tests/test_zaya.py": 75, "tests/test_lfm2.py": 72, "tests/test_dp_collectives.py": 71,
     "tests/test_flags.py": 63, "tests/test_olmo_hybrid.py": 62, "tests/test_retraction.py": 61,
     "tests/test_training.py": 60, "tests/test_vision_language.py": 103, "tests/test_ttft_gpu.py": 47,
     "tests/test_cache_properties.py": 40, "tests/cpu_compat/test_cpu_ops.py": 37, "tests/test_structure.py": 22,

@@ -51,10 +51,17 @@ def model_path():
 
 
 CHUNK = 128  # the anchored server's prefill chunk: a fork finds a chunk-end anchor below its match
+ANCHORED = ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
+            "--tail-replay-fold-tokens", "0")
+# The checkpoint's MTP head as SGLang's NEXTN draft. Under QSA a verify may score at most `indexer_compress_ratio`
+# tokens (SGLang: "the pending index-key ring holds one group"), 2 here: one draft step. SGLang's start-up memory check
+# counts what the servers starting beside it take against --mem-fraction-static (test_speculative).
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "2", "--mem-fraction-static", "0.5")
 SERVERS = {
-    "anchored": ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
-                 "--tail-replay-fold-tokens", "0"),
+    "anchored": ANCHORED,
     "paper": EXACT_FLAGS,
+    "nextn": ANCHORED + NEXTN,
 }
 
 
@@ -127,15 +134,44 @@ BASE = [(11 * i) % 450 + 30 for i in range(700)]
 def test_a_fork_replays_every_stream_and_equals_no_cache(servers, name, cut):
     """A 700-token request, then a fork at `cut`: the hit (whole 64-token pages) replays, from an anchor or from
     cleared states, through both groups (group 1 from its stored 4-stream rows), and equals no cache."""
-    server = servers[name]
+    hit = fork(servers[name], cut, NEW)
+    meta = hit["meta"]
+    assert meta["tail_replay_tokens"] == (meta["cached_tokens"] if name == "paper" else meta["cached_tokens"] % CHUNK)
+
+
+def fork(server, cut: int, new: int) -> dict:
+    """BASE served, then a fork of it at `cut`: the hit, checked to match whole pages, labelled exact and equal to
+    the server's own no-cache run."""
     flush_cache(server.base_url)
     scored(server, BASE, 690, 2)
     ids = BASE[:cut] + [(5 * i) % 300 + 40 for i in range(40)]
-    hit = scored(server, ids, cut, NEW)
-    meta = hit["meta"]
-    assert meta["cached_tokens"] == cut // PAGE * PAGE and meta["tail_replay_exact"]
-    assert meta["tail_replay_tokens"] == (meta["cached_tokens"] if name == "paper" else meta["cached_tokens"] % CHUNK)
-    assert_exact(hit, no_cache(server, ids, cut, NEW))
+    hit = scored(server, ids, cut, new)
+    assert hit["meta"]["cached_tokens"] == cut // PAGE * PAGE and hit["meta"]["tail_replay_exact"]
+    assert_exact(hit, no_cache(server, ids, cut, new))
+    return hit
+
+
+SPEC_NEW = 24  # enough verify steps to commit drafts both accepted and rejected
+
+
+def test_speculative_decoding_gives_the_targets_tokens(servers):
+    """NEXTN with the MTP head on a cold 700-token request: the draft runs (verify steps counted) and the outputs
+    are the target's own, as the same target decodes them without a draft (the anchored server)."""
+    plain, spec = servers["anchored"], servers["nextn"]
+    for server in (plain, spec):
+        flush_cache(server.base_url)
+    reference, drafted = scored(plain, BASE, 690, SPEC_NEW), scored(spec, BASE, 690, SPEC_NEW)
+    assert drafted["meta"]["spec_verify_ct"] > 0
+    assert_exact(drafted, reference)
+
+
+@pytest.mark.parametrize("cut", [200, 450])
+def test_a_fork_under_speculative_decoding_replays_and_equals_no_cache(servers, cut):
+    """With the MTP draft, a fork's hit replays from the chunk-end anchor below its page-aligned match through both
+    groups, and the verify steps that follow (the draft's KV for the matched tokens read from the cache, the
+    target's states from the replay) give what the server gives without a cache."""
+    meta = fork(servers["nextn"], cut, SPEC_NEW)["meta"]
+    assert meta["tail_replay_tokens"] == meta["cached_tokens"] % CHUNK > 0 and meta["spec_verify_ct"] > 0
 
 
 @pytest.mark.parametrize("name", ["anchored", "paper"])

@@ -34,8 +34,8 @@ _FEED_FORWARD = ("mlp", "mlp_hyper_connection.mix", "mlp_hyper_connection.combin
 
 class HyperGdnFamily(GdnFamily):
     name = "gdn_hc"
-    dp_attention = False  # neither is tested on this family
-    speculative = False
+    dp_attention = False  # not tested on this family
+    speculative = True  # Qwen3.8-Flash-Next's MTP head
 
     def install_capture(self, model, store) -> list:
         return capture.at_layer_keyword_inputs(model.layers, store)
