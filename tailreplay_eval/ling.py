@@ -185,3 +185,30 @@ def write_kimi(ling: dict, tensors: dict[str, torch.Tensor], folder: Path) -> No
         kimi[kimi_name] = tensor
     (folder / "config.json").write_text(json.dumps(kimi_config(ling)))
     save_file(kimi, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def write_mtp_head(checkpoint: Path, seed: int) -> None:
+    """Add a NEXTN layer at `model.layers.<num_hidden_layers>.` and declare it (`num_nextn_predict_layers`), as Ling
+    ships its MTP layer; SGLang serves it as the draft `BailingMoeForCausalLMNextN`: the embedding of token i + 1 and
+    the target's hidden at token i, each normed (`enorm`, `hnorm`) and projected together (`eh_proj`), pass one gated
+    MLA + MoE layer and `final_layernorm`. The layer starts as a copy of the target's last MLA layer and `eh_proj` is
+    drawn from `seed`; there is no reference to distil it from (transformers has no Ling), so its drafts are rarely
+    accepted: the target's tokens must come out whatever the draft says."""
+    config_file, weights = checkpoint / "config.json", checkpoint / "model.safetensors"
+    config = json.loads(config_file.read_text())
+    tensors = load_file(weights)
+    nextn, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last_mla = max(int(name.split(".")[2]) for name in tensors if ".attention.kv_b_proj." in name)
+    source = f"model.layers.{last_mla}."
+    for name, tensor in list(tensors.items()):
+        if name.startswith(source):
+            tensors[f"model.layers.{nextn}." + name.removeprefix(source)] = tensor.clone()
+    dtype = tensors["lm_head.weight"].dtype
+    generator = torch.Generator().manual_seed(seed)
+    tensors[f"model.layers.{nextn}.eh_proj.weight"] = (
+        torch.randn(hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5).to(dtype)
+    for norm in ("enorm", "hnorm", "final_layernorm"):
+        tensors[f"model.layers.{nextn}.{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

@@ -197,9 +197,9 @@ class Preset:
     # releases (`nemotron_omni.NANO_RELEASES`: NemotronH_Nano_VL_V2, NemotronH_Nano_Omni_Reasoning_V3), Qwen3.5-MoE's
     # vision-language one as InternS2-Preview (`QWEN_RELEASES`); None: the model itself.
     released_as: str | None = None
-    # Qwen3.5's (`tailreplay_eval.mtp`, distilled) or Qwen3.8-Flash-Next's (`qwen4exp.write_mtp_head`) multi-token-
-    # prediction layers, stored under `mtp.*` with `mtp_num_hidden_layers` in the config as Qwen ships them: SGLang
-    # serves them as the NEXTN speculative draft.
+    # Multi-token-prediction layers as each vendor ships them inside the checkpoint, which SGLang serves as the NEXTN
+    # speculative draft: Qwen3.5's (`tailreplay_eval.mtp`, distilled) and Qwen3.8-Flash-Next's
+    # (`qwen4exp.write_mtp_head`) under `mtp.*`, Ling-3.0's (`ling.write_mtp_head`) as its layer num_hidden_layers.
     mtp_layers: int = 0
 
 
@@ -403,6 +403,9 @@ PRESETS: dict[str, Preset] = {
 # InternS2-Preview (intern_s2_preview): SGLang serves it with Qwen3.5-MoE's vision-language class unchanged
 # (`models/interns2preview.py` subclasses it, its config Qwen3.5-MoE's), so tiny-qwen35-moe-vl's build (the same preset
 # and seed: the same weights) with a config.json naming InternS2-Preview (`QWEN_RELEASES`).
+# tiny-ling-3.0's weights (same seed, same build) plus an undistilled NEXTN layer (`ling.write_mtp_head`): Ling-3.0's
+# MTP draft in the speculative tests.
+PRESETS["tiny-ling-3.0-mtp"] = replace(PRESETS["tiny-ling-3.0"], mtp_layers=1)
 PRESETS["tiny-interns2-preview"] = replace(PRESETS["tiny-qwen35-moe-vl"],
                                            released_as="InternS2PreviewForConditionalGeneration")
 
@@ -977,6 +980,10 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     if preset.mtp_layers and preset.model_type == "qwen4_exp":
         qwen4exp.write_mtp_head(staging, record["seed"])
+    elif preset.mtp_layers and preset.model_type == "bailing_hybrid":
+        from tailreplay_eval.ling import write_mtp_head
+
+        write_mtp_head(staging, record["seed"])
     elif preset.mtp_layers:
         _add_mtp_head(model, staging, record["seed"], record["dtype"])
     _write_marker(staging, record, model.num_parameters())

@@ -60,6 +60,8 @@ DRAFTS = {
     "Qwen3_5ForCausalLMMTP": "Qwen3_5ForConditionalGeneration",
     "Qwen3NextForCausalLMMTP": "Qwen3NextForCausalLM",
     "Qwen4ExpForCausalLMMTP": "Qwen4ExpForConditionalGeneration",
+    # Ling-3.0's and Ling-2.5's; on Ling-2.5 the target's family (lightning) refuses speculative decoding
+    "BailingMoeForCausalLMNextN": "BailingMoeV3ForCausalLM",
 }
 
 _NO_FAMILY = "a mixer with no replay family here yet"
@@ -78,7 +80,6 @@ REFUSED = {
                                        "banked row; " + _UNTESTED + " (its text model, KimiK3LinearForCausalLM, is "
                                        "served)"),
     "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
-    "BailingMoeForCausalLMNextN": (_DRAFT + " (Ling)"),
     # the other hybrids
     "FalconH1ForCausalLM": (
         "Falcon-H1: attention and Mamba2 side by side in every layer, so every layer would be a group and the store "

@@ -539,3 +539,22 @@ def data_uri(img: Image.Image) -> str:
 def with_images(*images) -> dict:
     """The /generate keywords that attach `images` (PIL) as data URIs, as a client sends them."""
     return {"image_data": [data_uri(i) for i in images]} if images else {}
+
+
+def assert_greedy_agrees(model, ids, served, tie):
+    """The served tokens are the reference model's greedy ones up to the first near-tie (its top two within `tie`
+    nats, the served token one of them), where float rounding may pick either and the continuations part (seen on
+    tiny-kimi-linear: a 1.6e-4-nat tie at the ninth token of a 300-token prompt)."""
+    reference = greedy_generate(model, ids, len(served))
+    for i, (a, b) in enumerate(zip(served, reference)):
+        if a != b:
+            logprobs = prompt_logprobs_at(model, ids + reference[:i])
+            top = logprobs.topk(2)
+            assert a in top.indices.tolist() and float(top.values[0] - top.values[1]) < tie, (i, a, b)
+            return
+
+
+def prompt_logprobs_at(model, ids):
+    """The reference model's next-token log-probs after `ids`."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)

@@ -397,11 +397,16 @@ MUTANTS = (
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_qwen38.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[200]",),
            server=True),
+    Mutant("kda-verify-head-decay", "the CPU port's KDA verify decays each head's state by one mean gate (GDN's "
+           "form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/spec_verify.py",
+           "    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound)\n",
+           "    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound).mean(-1, keepdim=True)\n",
+           ("tests/test_speculative.py::test_ling_speculative_tokens_are_the_references",), server=True),
 )
 
 
 def copy_of_the_plugin(into: Path) -> None:
-    for part in ("tailreplay_sglang", "tests"):
+    for part in ("tailreplay_sglang", "tests", "cpu_compat"):
         shutil.copytree(ROOT / part, into / part, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     for name in ("pyproject.toml", "conftest.py"):
         if (ROOT / name).exists():
@@ -418,11 +423,13 @@ def run(mutant: Mutant) -> dict:
         if text.count(mutant.old) != 1:
             raise SystemExit(f"{mutant.name}: its line occurs {text.count(mutant.old)} times in {mutant.path}")
         target.write_text(text.replace(mutant.old, mutant.new))
-        env = {**os.environ, "PYTHONPATH": str(copy)}
-        where = subprocess.run([sys.executable, "-c", "import tailreplay_sglang; print(tailreplay_sglang.__file__)"],
-                               cwd=copy, env=env, capture_output=True, text=True).stdout.strip()
-        if not where.startswith(str(copy)):
-            raise SystemExit(f"the copy is not what imports: tailreplay_sglang from {where}")
+        # the CPU port too: its .pth puts the repository's cpu_compat/ on sys.path after PYTHONPATH
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(copy), str(copy / "cpu_compat")))}
+        for package in ("tailreplay_sglang", "sglang_cpu_compat"):
+            where = subprocess.run([sys.executable, "-c", f"import {package}; print({package}.__file__)"],
+                                   cwd=copy, env=env, capture_output=True, text=True).stdout.strip()
+            if not where.startswith(str(copy)):
+                raise SystemExit(f"the copy is not what imports: {package} from {where}")
         start = time.perf_counter()
         # the property module's own mutant table (BROKEN) monkeypatches the same code: not a test of this mutant
         marks = "server" if mutant.server else "not server"

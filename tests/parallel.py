@@ -44,7 +44,7 @@ MODULE_SECONDS = {
     SHARED_SERVER_GROUP: 944,
     "tests/test_hybrid_families.py": 624,
     "host-memory": 535,  # test_mooncake_store 285, test_hicache_tail_replay 116, test_hicache 82, test_two_servers 51
-    "tests/test_speculative.py": 408, "tests/test_scale_out.py": 273, "tests/test_dp_attention.py": 266,
+    "tests/test_speculative.py": 530, "tests/test_scale_out.py": 273, "tests/test_dp_attention.py": 266,
     "tests/test_production_path.py": 185, "tests/test_reliability.py": 147, "tests/test_quality_bench.py": 131,
     "tests/test_kernels.py": 116, "tests/test_anchored_replay.py": 99, "tests/test_vision_wrappers.py": 97,
     "tests/test_qwen38.py": 175, "tests/test_zaya.py": 75, "tests/test_lfm2.py": 72, "tests/test_dp_collectives.py": 71,

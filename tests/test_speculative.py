@@ -16,11 +16,15 @@ import concurrent.futures
 
 import pytest
 
-from helpers import MODELS_DIR, assert_anchored_hit, assert_exact, generate, random_ids, scored, start_servers
+import torch
+from safetensors.torch import load_file
+
+from helpers import (MODELS_DIR, assert_anchored_hit, assert_exact, assert_greedy_agrees, generate, random_ids, scored,
+                     start_servers)
 from helpers import Spec as ServerSpec
 from tailreplay_eval.models import build_model
 from tailreplay_eval.server import flush_cache
-from tailreplay_eval.reference import greedy_generate, load_hf_model
+from tailreplay_eval.reference import greedy_generate, load_hf_model, load_reference
 
 pytestmark = pytest.mark.server
 
@@ -244,3 +248,46 @@ def test_eviction_keeps_answers_and_acceptance(servers, tr_servers, prompts, pla
     hit = scored(server, prompt, 211, 16)
     assert hit["meta"]["tail_replay_tokens"] == 211 and hit["meta"]["tail_replay_exact"] is True, hit["meta"]
     assert_exact(hit, reference)
+
+
+# ---- Ling-3.0's MTP draft: KDA's verify (issue 67) ------------------------------------------------------------------
+
+# tiny-ling-3.0-mtp is tiny-ling-3.0 (the same weights) plus a NEXTN layer that is not distilled (transformers has no
+# Ling to distil it from): its drafts are rarely accepted, and the target's tokens must come out anyway. Its verify
+# runs KDA's per-draft-token states on the CPU port (`spec_verify.recurrent_kda_verify`).
+LING_NEXTN_SERVER = REPLAY + NEXTN + MEMORY
+
+
+@pytest.fixture(scope="module")
+def ling_server(tmp_path_factory):
+    model = build_model("tiny-ling-3.0-mtp", MODELS_DIR / "tiny-ling-3.0-mtp")
+    for servers in start_servers(tmp_path_factory, {"ling": ServerSpec(model, LING_NEXTN_SERVER, kwargs=TR_POOL)}):
+        yield servers["ling"]
+
+
+def test_ling_speculative_tokens_are_the_references(ling_server, prompts):
+    """Cold prompts on the Ling-3.0 NEXTN server: the draft runs, and the tokens are the greedy ones of Ling's torch
+    reference on tiny-ling-3.0, whose weights the target's are (checked byte for byte)."""
+    target = build_model("tiny-ling-3.0", MODELS_DIR / "tiny-ling-3.0")
+    with_head = load_file(MODELS_DIR / "tiny-ling-3.0-mtp" / "model.safetensors")
+    assert all(torch.equal(t, with_head[name]) for name, t in load_file(target / "model.safetensors").items())
+    model = load_reference(target)
+    flush_cache(ling_server.base_url)
+    for ids in prompts:
+        out = generate(ling_server, ids, NEW_TOKENS)
+        assert out["meta_info"]["spec_verify_ct"] > 0
+        assert_greedy_agrees(model, ids, out["output_ids"], NEAR_TIE)
+
+
+def test_ling_hits_under_speculative_decoding_equal_no_cache(ling_server):
+    """Resends and forks of a context whose answer the draft and KDA verify decoded: every prefix replayed from
+    cleared states (paper mode), each hit exact against the server's own no-cache run."""
+    flush_cache(ling_server.base_url)
+    for prompt, cut in zip(_forks(ling_server), CUTS):
+        reference = scored(ling_server, prompt, cut, 24, extra_key=f"reference {cut}")
+        hit = scored(ling_server, prompt, cut, 24)
+        meta = hit["meta"]
+        assert meta["tail_replay_tokens"] == meta["cached_tokens"] == cut and meta["tail_replay_exact"], meta
+        assert meta["spec_verify_ct"] > 0 and reference["meta"]["cached_tokens"] == 0
+        assert_exact(hit, reference)
+        assert hit["output_ids"] == reference["output_ids"]

@@ -44,6 +44,9 @@ CPU_ENGINE = (
          "the commit after a verify (accepted and track steps' states into their slots) is a Triton scatter"),
     Hook(f"{_SRT}.layers.attention.hybrid_linear_attn_backend.fused_conv_window_scatter_with_mask", "replace",
          f"{_PKG}.spec_commit:scatter_with_mask", "the same scatter for conv windows alone"),
+    Hook(f"{_SRT}.models.bailing_moe_nextn.BailingMoeForCausalLMNextN.set_embed_and_head", "replace",
+         f"{_PKG}.speculative:share_embed_and_head",
+         "Ling's NEXTN draft synchronizes CUDA after taking the target's embedding and LM head"),
     Hook(f"{_SRT}.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu", "replace",
          f"{_PKG}.speculative:keep_overlap_schedule",
          "SGLang turns overlap off for speculative decoding on a CPU: its GPU default (spec v2 + overlap) and "

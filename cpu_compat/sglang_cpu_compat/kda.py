@@ -8,6 +8,7 @@ argument names and return shapes of SGLang's kernels; the Triton conv is a `repl
 """
 
 from sglang_cpu_compat.ops import kda
+from sglang_cpu_compat.ops.spec_verify import recurrent_kda_verify
 from tailreplay_sglang.ops import conv
 
 KERNEL_MODULE = "sglang.srt.layers.attention.linear.kernels.kda_triton"
@@ -42,8 +43,13 @@ def fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, initia
                                           is_kda=False, lower_bound=None, **options):
     if not is_kda:
         raise NotImplementedError("CPU KDA kernel module: the GDN decode goes through sgl_kernel_shim")
-    if options.get("target_verify") or options.get("disable_state_update"):
-        raise NotImplementedError("CPU KDA decode: speculative decoding is not supported")
+    if options.get("disable_state_update"):  # a speculative verify: every draft step's state to the scratch buffer
+        return recurrent_kda_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices,
+                                    cu_seqlens, options.get("intermediate_states_buffer"),
+                                    options.get("intermediate_state_indices"), options.get("retrieve_parent_token"),
+                                    True, use_qk_l2norm_in_kernel, lower_bound)
+    if options.get("target_verify"):
+        raise NotImplementedError("CPU KDA decode: a verify that commits its states is not SGLang's")
     return kda.recurrent_kda_update(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices,
                                     cu_seqlens, use_qk_l2norm_in_kernel, lower_bound)
 

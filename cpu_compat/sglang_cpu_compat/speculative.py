@@ -155,3 +155,15 @@ def keep_overlap_schedule(server_args) -> None:
     """REPLACE of `speculative_hook._disable_overlap_schedule_for_cpu`: SGLang turns the overlap scheduler off for
     speculative decoding on a CPU ("not implemented"), which rules out its GPU default (spec v2 with overlap) and
     `extra_buffer_lazy` (which requires overlap). With the pieces above the overlap path runs here as on a GPU."""
+
+
+# ---- Ling's NEXTN draft -----------------------------------------------------------------------------------------
+
+
+def share_embed_and_head(model, embed, head):
+    """REPLACE `BailingMoeForCausalLMNextN.set_embed_and_head`: the draft takes the target's embedding and LM head, as
+    SGLang's does, without the `torch.cuda.empty_cache()` / `synchronize()` after it, which a CPU-only torch refuses."""
+    del model.model.word_embeddings.weight
+    del model.lm_head.weight
+    model.model.word_embeddings.weight = embed
+    model.lm_head.weight = head

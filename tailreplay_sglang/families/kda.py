@@ -36,6 +36,7 @@ class KdaFamily(Family):
     # (GPU path review N4)
     anchor_capturing_prefill_graphs = ("full", "breakable")
     eager_prefill_flag = "--disable-prefill-cuda-graph"
+    speculative = True  # Ling-3.0's MTP head (tests/test_speculative.py)
 
     def install_capture(self, model, store) -> list:
         return capture.at_stage_boundaries(model.layers, store, lambda layer: layer.attn_boundary)

@@ -1,4 +1,4 @@
-"""The CPU port's GDN target verify (speculative decoding) against a float64 replay of every draft path.
+"""The CPU port's GDN and KDA target verifies (speculative decoding) against a float64 replay of every draft path.
 
 A draft token's conv output and recurrent state must be what running its path (root .. parent .. itself) on top of
 the committed state gives, for chains (NEXTN, topk 1) and trees (NGRAM, EAGLE topk > 1); the committed slots stay
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from helpers import rel_err
-from sglang_cpu_compat.ops.spec_verify import causal_conv1d_verify, draft_parents, recurrent_gated_delta_rule_verify
+from sglang_cpu_compat.ops.spec_verify import (causal_conv1d_verify, draft_parents, recurrent_gated_delta_rule_verify,
+                                                recurrent_kda_verify)
 from tailreplay_sglang.ops import gdn, naive
+from tailreplay_sglang.ops.kda import kda_gate
 
 TOL = 1e-5
 # A tree of 6 draft tokens: 0 -> (1, 2), 1 -> 3, 2 -> (4, 5). First child / next sibling, as EAGLE packs it.
@@ -94,6 +96,36 @@ def test_recurrent_verify_states_follow_each_draft_path_and_leave_the_slots(tree
             ref_o, ref_state = naive.naive_recurrent_gated_delta_rule(
                 qe[rows], ke[rows], v[0, rows].double(), g[0, rows].double(), beta[0, rows].double(),
                 committed[slots[seq]].double(), scale=K**-0.5)
+            assert rel_err(o[0, rows[-1]], ref_o[-1]) < TOL
+            assert rel_err(buffer[inter_slots[seq], step], ref_state) < TOL
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_kda_verify_states_follow_each_draft_path_and_leave_the_slots(tree):
+    """KDA's verify (Ling-3.0's MTP draft): the per-key-channel decay of each draft path's own gates, against the
+    float64 KDA recurrence from the committed state."""
+    torch.manual_seed(3)
+    batch, steps, HV, K, V = 2, 6, 4, 8, 8
+    _, _, paths, parents = _shape(batch, steps, tree)
+    n = batch * steps
+    q, k, v = torch.randn(1, n, HV, K), torch.randn(1, n, HV, K), torch.randn(1, n, HV, V)
+    a, b = torch.randn(n, HV * K), torch.randn(n, HV)
+    A_log, dt_bias = torch.randn(HV) * 0.5, torch.randn(HV * K)
+    pool = torch.randn(4, HV, V, K) * 0.1
+    committed = pool.clone()
+    slots, inter_slots = torch.tensor([3, 1]), torch.tensor([1, 0])
+    buffer = torch.zeros(2, steps, HV, V, K)
+    o = recurrent_kda_verify(A_log, dt_bias, q, k, v, a, b, pool, slots, torch.arange(0, n + 1, steps), buffer,
+                             inter_slots, torch.tensor([parents] * batch) if tree else None,
+                             use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+    assert torch.equal(pool, committed)
+    g = kda_gate(a.double().reshape(n, HV, K), A_log.double(), dt_bias.double(), -5.0)
+    for seq in range(batch):
+        for step, path in enumerate(paths):
+            rows = [seq * steps + i for i in path]
+            ref_o, ref_state = naive.naive_recurrent_kda(
+                q[0, rows].double(), k[0, rows].double(), v[0, rows].double(), g[rows], b[rows].double().sigmoid(),
+                committed[slots[seq]].double(), use_qk_l2norm=True)
             assert rel_err(o[0, rows[-1]], ref_o[-1]) < TOL
             assert rel_err(buffer[inter_slots[seq], step], ref_state) < TOL
 

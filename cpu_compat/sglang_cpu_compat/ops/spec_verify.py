@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tailreplay_sglang.ops.conv import _activate
-from tailreplay_sglang.ops.gdn import _seq_bounds, recurrent_inputs
+from tailreplay_sglang.ops.gdn import _seq_bounds, l2norm, recurrent_inputs
 
 
 def draft_parents(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
@@ -92,9 +92,37 @@ def recurrent_gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_sta
     Step s of request n starts from the committed state (s = 0) or, in a tree, from its parent's intermediate state,
     and stores its state at intermediate_states_buffer[intermediate_state_indices[n], s]. The slot's state is left
     alone under disable_state_update (the verify default). Returns o: [1, N, HV, V]."""
-    HV, K = v.shape[2], k.shape[-1]
     qf, kf, g, beta = recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel, softplus_beta,
                                        softplus_threshold, scale)
+    return _verify_steps(qf, kf, v, g.unsqueeze(-1), beta, initial_state_source, initial_state_indices, cu_seqlens,
+                         intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token,
+                         disable_state_update)
+
+
+def recurrent_kda_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens,
+                         intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token=None,
+                         disable_state_update=True, use_qk_l2norm_in_kernel=False, lower_bound=None, scale=None):
+    """KDA's verify (Ling-3.0's MTP draft): `recurrent_gated_delta_rule_verify` with KDA's per-key-channel decay
+    (`kda_gate` of the raw forget gate a [N, HV * K]) and sigmoid beta of the raw b [N, HV], as the decode step
+    (`ops.kda.recurrent_kda_update`) takes them."""
+    from tailreplay_sglang.ops.kda import kda_gate
+
+    N, HV, K = k.shape[1], v.shape[2], k.shape[-1]
+    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound)
+    qf, kf = q[0].float(), k[0].float()
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = qf * (K**-0.5 if scale is None else scale)
+    return _verify_steps(qf, kf, v, g, b.reshape(N, HV).float().sigmoid(), initial_state_source,
+                         initial_state_indices, cu_seqlens, intermediate_states_buffer, intermediate_state_indices,
+                         retrieve_parent_token, disable_state_update)
+
+
+def _verify_steps(qf, kf, v, g, beta, initial_state_source, initial_state_indices, cu_seqlens,
+                  intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token, disable_state_update):
+    """The delta rule over each request's draft tokens: float32 q (scaled), k [N, HV, K], log decays g [N, HV, 1]
+    (GDN) or [N, HV, K] (KDA, per key channel), beta [N, HV]; states as `recurrent_gated_delta_rule_verify` says."""
+    HV, K = v.shape[2], kf.shape[-1]
     vf = v[0].float()
     o = torch.zeros(v.shape[1:], dtype=torch.float32)
     for seq, (start, end) in enumerate(_seq_bounds(cu_seqlens, v.shape[1])):
@@ -104,7 +132,7 @@ def recurrent_gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_sta
         for step, t in enumerate(range(start, end)):
             if retrieve_parent_token is not None and step > 0 and inter >= 0:
                 state = intermediate_states_buffer[inter, int(retrieve_parent_token[seq, step])].float()
-            state = state * g[t].exp()[:, None, None]
+            state = state * g[t].exp().unsqueeze(-2)
             delta = beta[t][:, None] * (vf[t] - (state @ kf[t].unsqueeze(-1)).squeeze(-1))
             state = state + delta.unsqueeze(-1) * kf[t].unsqueeze(-2)
             o[t] = (state @ qf[t].unsqueeze(-1)).squeeze(-1)
