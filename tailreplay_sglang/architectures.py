@@ -86,7 +86,8 @@ REFUSED = {
         "would keep every layer's input (6x the KV cache on Falcon-H1-7B)"),
     "Lfm2BidirectionalModel": ("LFM2 as a bidirectional encoder: no generation, no prefix to cache"),
     "Lfm2DSparkDraftModel": (_DRAFT + " (LFM2)"),
-    "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN models only"),
+    "NemotronHForCausalLMMTP": ("Nemotron-H's MTP draft: speculative decoding is served on GDN and KDA models only "
+                                "(not on Mamba2)"),
     "JetVLMForConditionalGeneration": ("JetVLM: Jet-Nemotron under a vision tower; " + _UNTESTED),
     "MiniCPMSALAForCausalLM": ("MiniCPM-SALA: lightning and sparse attention, " + _NO_FAMILY),
     "InternS2MobiusForConditionalGeneration": ("InternS2-Mobius: a Qwen3.5-layout GDN hybrid with shared expert "

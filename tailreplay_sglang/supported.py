@@ -132,13 +132,14 @@ def unsupported(server_args) -> list[str]:
 
 
 def check_speculative_family(family, server_args) -> None:
-    """Speculative decoding with Tail-Replay is tested on GDN models only (Qwen3.5, Qwen3-Next: their MTP heads);
-    Nemotron-H's MTP (Mamba2) and KDA verify paths are not, and on a CPU their ops refuse a verify mid-serving."""
+    """Speculative decoding with Tail-Replay is tested on the families whose `speculative` is set: GDN (Qwen3.5,
+    Qwen3-Next), GDN under hyper-connections (Qwen3.8-Flash-Next) and KDA (Ling-3.0), with their MTP heads; the others'
+    verify paths are not (Nemotron-H's MTP on Mamba2: on a CPU its ops refuse a verify mid-serving)."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if algorithm and family is not None and not family.speculative:
         raise UnsupportedConfigError(
-            f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN models (Qwen3.5, "
-            f"Qwen3-Next) only; this model's recurrent layers are {family.name}")
+            f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN and KDA models (Qwen3.5, "
+            f"Qwen3-Next, Qwen3.8-Flash-Next, Ling-3.0) only; this model's recurrent layers are {family.name}")
 
 
 def check_dp_attention_family(family, server_args) -> None:
