@@ -397,10 +397,10 @@ MUTANTS = (
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_qwen38.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[200]",),
            server=True),
-    Mutant("kda-verify-head-decay", "the CPU port's KDA verify decays each head's state by one mean gate (GDN's "
-           "form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/spec_verify.py",
-           "    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound)\n",
-           "    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound).mean(-1, keepdim=True)\n",
+    Mutant("kda-verify-head-decay", "the CPU port's token-by-token KDA step (decode and verify) decays each head's "
+           "state by one mean gate (GDN's form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/kda.py",
+           "    g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound)\n",
+           "    g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound).mean(-1, keepdim=True)\n",
            ("tests/test_speculative.py::test_ling_speculative_tokens_are_the_references",), server=True),
 )
 

@@ -88,11 +88,18 @@ def recurrent_kda_update(A_log, dt_bias, q, k, v, a, b, initial_state_source, in
 
     q, k, v: [1, T, HV, d]; a: the raw forget gate, [T, HV * K] (or [1, T, HV, K]); b: raw beta, [T, HV] or
     [1, T, HV]; cu_seqlens [B + 1] (None: one token per slot). Returns o: [1, T, HV, V]."""
+    qf, kf, g, beta = recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel, lower_bound, scale)
+    return recurrent_steps(qf, kf, v, g, beta, initial_state_source, initial_state_indices, cu_seqlens)
+
+
+def recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel: bool = False,
+                     lower_bound: float | None = None, scale: float | None = None):
+    """What a token-by-token KDA step reads (decode, and the speculative verify of `spec_verify`): float32 q (normed
+    if asked, scaled) and k [T, HV, K], the per-channel log decays g [T, HV, K] and sigmoid beta [T, HV]."""
     T, HV, K = k.shape[1], v.shape[2], k.shape[-1]
-    scale = K**-0.5 if scale is None else scale
     g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound)
     beta = b.reshape(T, HV).float().sigmoid()
     qf, kf = q[0].float(), k[0].float()
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm(qf), l2norm(kf)
-    return recurrent_steps(qf * scale, kf, v, g, beta, initial_state_source, initial_state_indices, cu_seqlens)
+    return qf * (K**-0.5 if scale is None else scale), kf, g, beta

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from tailreplay_sglang.ops.conv import _activate
-from tailreplay_sglang.ops.gdn import _seq_bounds, l2norm, recurrent_inputs
+from sglang_cpu_compat.ops import kda
+from tailreplay_sglang.ops.gdn import _seq_bounds, recurrent_inputs
 
 
 def draft_parents(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
@@ -102,20 +103,12 @@ def recurrent_gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_sta
 def recurrent_kda_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens,
                          intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token=None,
                          disable_state_update=True, use_qk_l2norm_in_kernel=False, lower_bound=None, scale=None):
-    """KDA's verify (Ling-3.0's MTP draft): `recurrent_gated_delta_rule_verify` with KDA's per-key-channel decay
-    (`kda_gate` of the raw forget gate a [N, HV * K]) and sigmoid beta of the raw b [N, HV], as the decode step
-    (`ops.kda.recurrent_kda_update`) takes them."""
-    from tailreplay_sglang.ops.kda import kda_gate
-
-    N, HV, K = k.shape[1], v.shape[2], k.shape[-1]
-    g = kda_gate(a.reshape(N, HV, K), A_log, dt_bias, lower_bound)
-    qf, kf = q[0].float(), k[0].float()
-    if use_qk_l2norm_in_kernel:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = qf * (K**-0.5 if scale is None else scale)
-    return _verify_steps(qf, kf, v, g, b.reshape(N, HV).float().sigmoid(), initial_state_source,
-                         initial_state_indices, cu_seqlens, intermediate_states_buffer, intermediate_state_indices,
-                         retrieve_parent_token, disable_state_update)
+    """KDA's verify (Ling-3.0's MTP draft): `recurrent_gated_delta_rule_verify` with KDA's per-key-channel decay and
+    sigmoid beta, read as the decode step reads them (`ops.kda.recurrent_inputs`)."""
+    qf, kf, g, beta = kda.recurrent_inputs(A_log, dt_bias, q, k, v, a, b, use_qk_l2norm_in_kernel, lower_bound, scale)
+    return _verify_steps(qf, kf, v, g, beta, initial_state_source, initial_state_indices, cu_seqlens,
+                         intermediate_states_buffer, intermediate_state_indices, retrieve_parent_token,
+                         disable_state_update)
 
 
 def _verify_steps(qf, kf, v, g, beta, initial_state_source, initial_state_indices, cu_seqlens,
