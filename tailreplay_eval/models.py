@@ -27,7 +27,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp, zaya
+from tailreplay_eval import (glm5, jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp,
+                             zaya)
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -205,7 +206,7 @@ class Preset:
 
 # model_type -> the module that builds a vision wrapper's config, processor and marker tokens
 VISION_WRAPPERS = {"minicpmv4_6": minicpmv, "minicpmv4_7": minicpmv, "lfm2_vl": lfm2vl,
-                   "nemotron_h_omni": nemotron_omni}
+                   "nemotron_h_omni": nemotron_omni, "glm5_next": glm5}
 
 # Architectures SGLang serves with a Qwen3.5 vision-language class unchanged -> the model_type their config.json names
 QWEN_RELEASES = {"InternS2PreviewForConditionalGeneration": "intern_s2_preview"}
@@ -347,6 +348,12 @@ PRESETS: dict[str, Preset] = {
         model_type="qwen4_exp", **dict(TINY, dtype="bfloat16"), vision=TINY_VISION, partial_rotary_factor=0.5,
         mrope_section=(2, 1, 1), mtp_layers=1,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    # GLM-5.3-Flash (glm5_next, `tailreplay_eval.glm5`): KDA and DSA-indexed MLA layers (every fourth) under 4 mHC
+    # streams, a dense first layer then MoE, under a vision tower.
+    "tiny-glm-5.3-flash": Preset(
+        model_type="glm5_next", **TINY, vision=TINY_VISION,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     ),
     # MiniCPM-V 4.6 (minicpmv4_6, `tailreplay_eval.minicpmv`): tiny-qwen35's text stack under a two-layer SigLIP tower
     # of 14-px patches at 448 px (1024 patches, 64 language-model tokens per image after the 16x downsampling).
@@ -743,6 +750,8 @@ def zaya_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
 def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     if preset.model_type == "zaya":
         return zaya_config(preset, tokenizer)
+    if preset.model_type == "glm5_next":
+        return glm5.glm5_config(preset, tokenizer)
     if preset.model_type == "nemotron_h":
         return nemotron_h_config(preset, tokenizer)
     if preset.model_type == "granitemoehybrid":
@@ -888,6 +897,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         _init_short_conv(model)
     if config.model_type == "zaya":
         zaya.init_tiny(model)
+    if config.model_type == "glm5_next":
+        glm5.init_gates(model, GDN_MEMORY_TOKENS)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 
@@ -972,6 +983,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         nemotron_omni.name_unk_token(staging)
     elif preset.model_type == "qwen4_exp":
         qwen4exp.serving_dtypes(config_file)
+    elif preset.model_type == "glm5_next":
+        glm5.serving_config(config_file)
     elif preset.model_type == "zaya":  # as Zyphra ships ZAYA1, which SGLang loads (transformers writes its own names)
         zaya.to_zyphra(staging)
     elif preset.released_as in QWEN_RELEASES:  # the Qwen build as another release of its SGLang class: config only

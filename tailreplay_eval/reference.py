@@ -28,6 +28,8 @@ _GDN_FUNCTIONS = {
         "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
     "transformers.models.kimi_linear.modeling_kimi_linear": (
         "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"),
+    "transformers.models.glm5_next.modeling_glm5_next": (
+        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"),
 }
 
 

@@ -53,8 +53,10 @@ def cpu_serving_dtype(model_path) -> str:
 
 def pages_required(model_path) -> bool:
     """Whether SGLang forces pages larger than one token on this checkpoint, which only its GPU default (extra_buffer)
-    allows: Qwen3.8-Flash-Next's QSA indexer (64-token pages, `arg_groups/model_overrides/qwen4_exp.py`)."""
-    return _text_config(model_path).get("indexer_compress_ratio") is not None
+    allows: Qwen3.8-Flash-Next's QSA indexer (64-token pages, `arg_groups/model_overrides/qwen4_exp.py`) and
+    GLM-5.3-Flash's DSA one (64 x index_kpool tokens, `arg_groups/model_overrides/deepseek_v2.py`)."""
+    text = _text_config(model_path)
+    return text.get("indexer_compress_ratio") is not None or text.get("index_topk") is not None
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 # On a GPU (`ServerProcess(on_gpu=True)`, scripts/gpu_check.sh): SGLang's own defaults, two servers side by side.
 GPU_FLAGS = ("--skip-server-warmup", "--mem-fraction-static", "0.35")

@@ -15,6 +15,7 @@ GDN, MAMBA2, KDA, LIGHTNING, SHORT_CONV = "gdn", "mamba2", "kda", "lightning", "
 HYPER_GDN = "gdn_hc"  # GDN under hyper-connection streams (families/hyper_gdn.py)
 JET = "jet"  # Jet-Nemotron's JetBlock: a gated delta rule over dynamically convolved values (families/jet.py)
 KDA_ATTN_RES = "kda_attn_res"  # KDA under attention residuals (Kimi K3; families/attn_res_kda.py)
+MHC_KDA = "kda_mhc"  # KDA under manifold-constrained hyper-connection streams (GLM-5.3-Flash; families/mhc_kda.py)
 CCA = "cca"  # ZAYA1's CCA attention: a conv window and the previous input per request beside its KV (families/cca.py)
 
 # architecture -> the recurrent family that replays it (`families/`), and what it is, for the messages and the docs
@@ -52,6 +53,8 @@ SERVED = {
                              "state per request beside its KV; MoE)"),
     "KimiK3LinearForCausalLM": (KDA_ATTN_RES, "Kimi K3, text (KDA + gated NoPE MLA under attention residuals; "
                                               "without the latent MoE)"),
+    "Glm5NextForConditionalGeneration": (MHC_KDA, "GLM-5.3-Flash (KDA + DSA-indexed MLA under 4 mHC streams, MoE; "
+                                                  "dense attention up to index_topk on a CPU)"),
 }
 
 # SGLang renames the target's architecture to its MTP head's for NEXTN's draft model (`ModelConfig`, is_draft_model):
@@ -72,10 +75,8 @@ _DRAFT = "an MTP draft of a model Tail-Replay does not serve"
 # registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
 REFUSED = {
     # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
-    "Glm5NextForConditionalGeneration": (
-        "GLM-5.3-Flash: mHC with 4 Sinkhorn-mixed streams (hc_mult) around KDA and DSA-indexed MLA layers; a group's "
-        "input is all 4 streams and the indexer cache is not carried"),
-    "Glm5NextForConditionalGenerationNextN": (_DRAFT + " (GLM-5.3-Flash)"),
+    "Glm5NextForConditionalGenerationNextN": ("GLM-5.3-Flash's MTP draft: speculative decoding is not tested on KDA "
+                                              "under mHC streams (its target is served without a draft)"),
     "KimiK3ForConditionalGeneration": ("Kimi K3 with its vision tower: image rows in group 0 and in the first "
                                        "banked row; " + _UNTESTED + " (its text model, KimiK3LinearForCausalLM, is "
                                        "served)"),

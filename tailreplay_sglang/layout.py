@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailreplay_sglang.architectures import (CCA, GDN, HYPER_GDN, JET, KDA, KDA_ATTN_RES, LIGHTNING,  # noqa: F401
-                                             MAMBA2, SHORT_CONV, family_of, served_list)
+                                             MAMBA2, MHC_KDA, SHORT_CONV, family_of, served_list)
 
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 SUPPORTED = served_list()
@@ -64,7 +64,8 @@ class HybridLayout:
     # LFM2's short conv: its width (conv_L_cache); ZAYA1's CCA: its two convs' joint width (cca_time0 + cca_time1 - 1).
     # Either layer's state is a function of its last conv_kernel - 1 inputs.
     conv_kernel: int | None = None
-    streams: int = 1  # the residual stream's hyper-connection streams (Qwen3.8-Flash-Next: hc_count), all stored
+    # the residual stream's hyper-connection streams (Qwen3.8-Flash-Next: hc_count; GLM-5.3-Flash: hc_mult), all stored
+    streams: int = 1
 
     @property
     def row_width(self) -> int:
@@ -111,7 +112,7 @@ class HybridLayout:
         return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
                    chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None,
                    conv_kernel=conv_kernel(text, mixer),
-                   streams=getattr(text, "hc_count", 1) if mixer == HYPER_GDN else 1)
+                   streams=hyper_streams(text, mixer))
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -128,7 +129,7 @@ class HybridLayout:
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
                        mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None,
                        conv_kernel=conv_kernel(ConfigAttrs(text), mixer),
-                       streams=text.get("hc_count", 1) if mixer == HYPER_GDN else 1)
+                       streams=hyper_streams(ConfigAttrs(text), mixer))
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -188,6 +189,10 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
         raise ValueError("--enable-tail-replay does not serve Jet-Nemotron checkpoints with sliding-window attention "
                          "layers (layer_types 'swa') yet: SGLang's hybrid SWA pools beside the JetBlock states are "
                          f"untested with Tail-Replay. Supported: {SUPPORTED}")
+    if "Glm5NextForConditionalGeneration" in architectures and not getattr(text_config, "mhc", False):
+        raise ValueError("--enable-tail-replay replays GLM-5.3-Flash's layers under their mHC streams; this config "
+                         "has mhc off (SGLang's default where config.json omits it), which builds a plain residual "
+                         f"stream no test here serves. Supported: {SUPPORTED}")
     if "BailingMoeV2_5ForCausalLM" in architectures:
         _refuse_unsupported_lightning(text_config)
     if "KimiK3LinearForCausalLM" in architectures:
@@ -271,15 +276,25 @@ def conv_kernel(text_config, mixer: str) -> int | None:
     return None
 
 
+def hyper_streams(text_config, mixer: str) -> int:
+    """The residual's streams: Qwen3.8-Flash-Next's `hc_count`, GLM-5.3-Flash's `hc_mult` (with `mhc` on); 1 else."""
+    if mixer == HYPER_GDN:
+        return getattr(text_config, "hc_count", 1)
+    if mixer == MHC_KDA and getattr(text_config, "mhc", False):
+        return getattr(text_config, "hc_mult", 1)
+    return 1
+
+
 def layer_kinds(text_config) -> tuple[str, ...]:
     if getattr(text_config, "cca", False):  # ZAYA1: its CCA attention layers hold a conv state beside their KV and
         layers = getattr(text_config, "zaya_layers", None)  # are the recurrent ones; the others are MoE
         n = len(layers) if layers else text_config.num_hidden_layers
         return tuple(LINEAR if (layers[i] == "a" if layers else i % 2 == 0) else MOE for i in range(n))
     linear = getattr(text_config, "linear_attn_config", None)
-    if linear:  # Kimi Linear as Moonshot writes it: 1-indexed KDA layers, the rest MLA
-        kda = set(linear["kda_layers"])
-        return tuple(LINEAR if i + 1 in kda else FULL for i in range(text_config.num_hidden_layers))
+    if linear:  # Kimi Linear as Moonshot writes it: 1-indexed KDA layers, the rest MLA; GLM-5.3-Flash's (SGLang's
+        kda = set(linear["kda_layers"])  # Glm5NextTextConfig builds it from layer_types): 0-indexed
+        first = 0 if str(getattr(text_config, "model_type", "")).startswith("glm5") else 1
+        return tuple(LINEAR if i + first in kda else FULL for i in range(text_config.num_hidden_layers))
     period = getattr(text_config, "layer_group_size", None)
     if period is not None:  # Bailing (Ling) as inclusionAI writes it: MLA every period-th layer, or a per-layer list
         n = text_config.num_hidden_layers  # whose 1s mark the linear layers (configs/bailing_hybrid.py)

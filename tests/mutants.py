@@ -397,6 +397,13 @@ MUTANTS = (
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_qwen38.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[200]",),
            server=True),
+    # Issue 67: GLM-5.3-Flash's replay reads every mHC stream of the stored group input
+    Mutant("mhc-one-stream", "the replay zeroes the last of GLM-5.3-Flash's 4 mHC streams of a group's input",
+           "tailreplay_sglang/families/mhc_kda.py",
+           "        return capture.widened(x, model.config.hc_mult, model.config.hidden_size)\n",
+           "        x = capture.widened(x, model.config.hc_mult, model.config.hidden_size)\n"
+           "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
+           ("tests/test_glm5.py::test_a_fork_replays_every_stream_and_equals_no_cache[paper-450]",), server=True),
     Mutant("kda-verify-head-decay", "the CPU port's token-by-token KDA step (decode and verify) decays each head's "
            "state by one mean gate (GDN's form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/kda.py",
            "    g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound)\n",

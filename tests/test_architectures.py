@@ -13,6 +13,7 @@ import inspect
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -106,10 +107,6 @@ def test_an_unknown_architecture_is_refused_by_name():
 
 
 @pytest.mark.parametrize("arch, text_config", [
-    # Measured at 5674c68: read as one GDN group (indexed_attention was not "full_attention")
-    ("Glm5NextForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4,
-                                          "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
-                                          "hc_mult": 4}),
     # Measured at 5674c68: fell to the GDN default, only KimiLinearForCausalLM was listed as KDA (K3's language model,
     # KimiK3LinearForCausalLM, is served since, tests/test_layout.py; the vision checkpoint is not)
     ("KimiK3ForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4, "attn_res_block_size": 2,
@@ -133,6 +130,33 @@ def test_qwen38_reads_its_qsa_layers_as_attention_and_stores_every_stream(tmp_pa
     layout = HybridLayout.from_model_path(str(tmp_path))
     assert [g.layers for g in layout.groups] == [(0, 1, 2), (4, 5, 6)]
     assert layout.mixer == "gdn_hc" and layout.row_width == 4 * 64 and layout.stores_embeddings
+
+
+GLM_TEXT = {"hidden_size": 64, "num_hidden_layers": 8, "hc_mult": 4, "mhc": True,
+            "layer_types": (["linear_attention"] * 3 + ["indexed_attention"]) * 2}
+
+
+def test_glm5_reads_its_indexed_mla_layers_as_attention_and_stores_every_stream(tmp_path):
+    """GLM-5.3-Flash, served (tests/test_glm5.py; at 5674c68 it was read as one GDN group): its indexed_attention
+    layers cut the groups and a stored row is all hc_mult mHC streams, read from config.json as from the config
+    SGLang builds, whose linear_attn_config lists the KDA layers 0-indexed (Kimi Linear's are 1-indexed)."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Glm5NextForConditionalGeneration"],
+                                                      "text_config": GLM_TEXT, "vision_config": {}}))
+    runtime_text = SimpleNamespace(**dict(GLM_TEXT, model_type="glm5_next_text", linear_attn_config={
+        "kda_layers": [0, 1, 2, 4, 5, 6], "full_attn_layers": [3, 7]}))
+    runtime = SimpleNamespace(architectures=["Glm5NextForConditionalGeneration"], text_config=runtime_text,
+                              vision_config=SimpleNamespace())
+    for layout in (HybridLayout.from_model_path(str(tmp_path)), HybridLayout.from_hf_config(runtime)):
+        assert [g.layers for g in layout.groups] == [(0, 1, 2), (4, 5, 6)]
+        assert layout.mixer == "kda_mhc" and layout.row_width == 4 * 64 and layout.stores_embeddings
+
+
+def test_glm5_without_mhc_is_refused_naming_it(tmp_path):
+    """SGLang builds GLM-5.3-Flash with a plain residual where config.json omits mhc: not what the replay reads."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Glm5NextForConditionalGeneration"],
+                                                      "text_config": dict(GLM_TEXT, mhc=False)}))
+    with pytest.raises(ValueError, match="has mhc off"):
+        HybridLayout.from_model_path(str(tmp_path))
 
 
 def test_qwen38_with_per_layer_embeddings_is_refused_naming_them(tmp_path):

@@ -572,8 +572,8 @@ def test_memory_all_table_and_json(tmp_path):
 
 
 PER_RANK_SERVED = [m for m in memory.PER_RANK_MODELS if m not in memory.FRONTIER]
-# The frontier models Tail-Replay serves (Qwen3.8-Flash-Next, Ling-3.0, Ling-2.5, Kimi K3): rows, not refusals or
-# projections
+# The frontier models Tail-Replay serves (Qwen3.8-Flash-Next, Ling-3.0, Ling-2.5, Kimi K3, GLM-5.3-Flash): rows, not
+# refusals or projections
 FRONTIER_SERVED = {name for name, config in memory.FRONTIER.items() if config["architectures"][0] in SERVED}
 
 
@@ -644,7 +644,7 @@ def test_memory_per_rank_table_and_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["tp_sizes"] == [1, 2]
     assert len(rows) == len(memory.PER_RANK_MODELS) * 2 * len(memory.PER_RANK_TIERS) * 3  # TP 1, 2; 3 row dtypes
-    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T", "Qwen3.8-Flash-Next", "Kimi-K3"}
+    assert FRONTIER_SERVED == {"Ling-3.0-flash", "Ling-2.5-1T", "Qwen3.8-Flash-Next", "Kimi-K3", "GLM-5.3-Flash"}
     assert {r["model"] for r in rows if r["projection"]} == set(memory.FRONTIER) - FRONTIER_SERVED
     assert {r["model"] for r in rows if not r["projection"]} == set(PER_RANK_SERVED) | FRONTIER_SERVED
     assert "not measured" in data["note"]

@@ -8,6 +8,7 @@ engine without AMX; `ELSEWHERE` lists the import hooks that `sglang_cpu_compat.p
 """
 
 from sglang_cpu_compat.allocator import keep_freed_memory
+from sglang_cpu_compat.env import default_mhc_torch_paths
 from tailreplay_sglang.hooks import Hook, register_table
 
 _SRT = "sglang.srt"
@@ -135,6 +136,18 @@ CPU_ENGINE = (
          "the indexer's prefill gathers its compressed keys with a Triton kernel"),
     Hook(f"{_SRT}.model_loader.loader._initialize_model", "around", f"{_PKG}.minicpmv:keep_shared_experts_config",
          "MiniCPM-V's wrapper loses the loader's shared-experts record at model.eval(): every runner's warm-up raises"),
+    Hook(f"{_SRT}.arg_groups.model_hook.handle_model_specific_adjustments", "around",
+         f"{_PKG}.glm5:launcher_without_cuda",
+         "GLM-5.3-Flash's DSA launch steps ask CUDA for its device capability, which a CPU-only torch refuses"),
+    Hook(f"{_SRT}.arg_groups.overrides._dsa_kv_cache_dtype_default", "replace", f"{_PKG}.glm5:kv_dtype_as_served",
+         "the DSA launch forces a bfloat16 KV pool (refusing float32) where the CPU serves the model's dtype"),
+    Hook(f"{_SRT}.layers.attention.dsa.dsa_indexer_kpool.IndexerKPool.forward_native", "replace",
+         f"{_PKG}.glm5:indexer_forward_native",
+         "GLM-5.3-Flash's DSA indexer has no CPU forward: no top-k indices, dense attention (exact to index_topk)"),
+    Hook("sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp", "replace",
+         f"{_PKG}.glm5:silu_and_mul_clamp", "GLM-5.3-Flash's clamped SwiGLU (swiglu_limit) is a CUDA JIT kernel"),
+    Hook(f"{_SRT}.models.deepseek_v2.DeepseekV2MoE.__init__", "after", f"{_PKG}.glm5:mark_routed_scale_in_block",
+         "DeepseekV2MoE scales its routed output itself off CUDA: the MoE row must not scale it twice"),
     Hook(f"{_SRT}.models.kimi_k3.KimiK3LinearModel.__init__", "around", f"{_PKG}.kimi_k3:model_without_streams",
          "Kimi K3 builds three CUDA streams for its layers unless on HIP; a CPU-only torch raises at construction"),
     Hook(f"{_SRT}.layers.attn_residual._mix_fused", "replace", f"{_PKG}.kimi_k3:mix_fused",
@@ -169,5 +182,6 @@ def register() -> None:
     if not is_cpu():
         return
     keep_freed_memory()
+    default_mhc_torch_paths()
     if not cpu_has_amx_support():
         register_table(CPU_ENGINE)

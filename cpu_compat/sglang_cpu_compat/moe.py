@@ -15,18 +15,24 @@ sums them.
 import torch
 import torch.nn.functional as F
 
+from sglang_cpu_compat import glm5
+
 
 def scale_routed_output(original, layer, x, topk_output, moe_runner_config):
     """AROUND hook on `moe_forward_native` (same arguments, same output); also runs the squared-ReLU experts it does
     not know and the expert-parallel batches it fails on (`routed_experts`)."""
+    limit = getattr(moe_runner_config, "swiglu_limit", None)
     if moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated:
         out = routed_experts(layer, x, topk_output, lambda h: torch.relu(h).square())
+    elif limit is not None:  # GLM-5.3-Flash's clamped SwiGLU, which `moe_forward_native` does not apply
+        out = routed_experts(layer, x, topk_output, glm5.clamped_swiglu(limit))
     elif bool((topk_output.topk_ids < 0).any()):
         out = routed_experts(layer, x, topk_output, gated_activation(moe_runner_config))
     else:
         out = original(layer, x, topk_output, moe_runner_config)
     factor = moe_runner_config.routed_scaling_factor
-    if factor is not None and factor != 1.0 and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
+    if (factor is not None and factor != 1.0 and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False)
+            and not glm5.routed_scale_in_block(layer)):  # DeepseekV2MoE scales off CUDA itself
         out = out * factor
     return out
 

@@ -5,14 +5,14 @@ import importlib
 
 from tailreplay_sglang.families.base import Family, FamilyBindError, ReplayBatch
 from tailreplay_sglang.architectures import (CCA, GDN, HYPER_GDN, JET, KDA, KDA_ATTN_RES, LIGHTNING, MAMBA2,
-                                             SHORT_CONV)
+                                             MHC_KDA, SHORT_CONV)
 
 # Imported on first use: a family module imports its kernels, which the launcher never needs.
 MODULES = {GDN: "tailreplay_sglang.families.gdn", MAMBA2: "tailreplay_sglang.families.mamba2",
            KDA: "tailreplay_sglang.families.kda", LIGHTNING: "tailreplay_sglang.families.lightning",
            SHORT_CONV: "tailreplay_sglang.families.short_conv", HYPER_GDN: "tailreplay_sglang.families.hyper_gdn",
            JET: "tailreplay_sglang.families.jet", KDA_ATTN_RES: "tailreplay_sglang.families.attn_res_kda",
-           CCA: "tailreplay_sglang.families.cca"}
+           CCA: "tailreplay_sglang.families.cca", MHC_KDA: "tailreplay_sglang.families.mhc_kda"}
 
 __all__ = ["MODULES", "Family", "FamilyBindError", "ReplayBatch", "family_for"]
 

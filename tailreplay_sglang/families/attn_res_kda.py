@@ -23,7 +23,7 @@ import torch
 
 from tailreplay_sglang import capture
 from tailreplay_sglang.families.base import ReplayBatch, layer_requirements, replayed_layer_requirements, tp_reduced
-from tailreplay_sglang.families.kda import _MIXER, KdaFamily, replay_kda_mixer
+from tailreplay_sglang.families.kda import _MIXER, KdaFamily, replay_mixer
 
 _READS = ("input_layernorm", "self_attention_res_norm", "self_attention_res_proj", "is_block_write_layer")
 _FEED_FORWARD = ("mlp", "post_attention_layernorm", "mlp_res_norm", "mlp_res_proj")
@@ -58,9 +58,7 @@ class AttnResKdaFamily(KdaFamily):
                 banked.append(prefix)
             running = None if writes else prefix
             mixer = layer.self_attn
-            out, log_decay = replay_kda_mixer(mixer, pool.mamba2_layer_cache(layer_id), h, batch.cu_seqlens,
-                                              batch.tail_lens, batch.mamba_slots)
-            batch.observe_decay(log_decay)
+            out = replay_mixer(mixer, pool, layer_id, h, batch)
             if layer_id == group.recurrent_layers[-1]:
                 return
             h, running = bank.forward(tp_reduced(out, mixer.o_proj), running, layer.mlp_res_proj,

@@ -14,6 +14,9 @@ input, as GDN's; SSM states from the chunked prefill's per-chunk states, which i
 planned.
 """
 
+import functools
+import inspect
+
 import torch
 
 from tailreplay_sglang import capture
@@ -45,9 +48,7 @@ class KdaFamily(Family):
         for layer_id in group.recurrent_layers:
             layer = model.layers[layer_id]
             mixer = getattr(layer, mixer_name(layer))
-            out, log_decay = replay_kda_mixer(mixer, pool.mamba2_layer_cache(layer_id), layer.input_layernorm(x),
-                                              batch.cu_seqlens, batch.tail_lens, batch.mamba_slots)
-            batch.observe_decay(log_decay)
+            out = replay_mixer(mixer, pool, layer_id, layer.input_layernorm(x), batch)
             if layer_id == group.recurrent_layers[-1]:
                 return
             x = x + tp_reduced(out, mixer.o_proj)
@@ -87,9 +88,23 @@ def _chunk_kernel():
 def kda_inputs(la, h: torch.Tensor):
     """The mixer's pre-conv q | k | v [T, 3 * H * K], raw beta [T, H], raw forget gate [T, H * K] and output gate
     [T, H * K], through the same (fused or separate) projections as its forward."""
-    if la.do_fuse_qkvbfg:
-        return la.forward_qkvbfg_fused(h)
-    return la.forward_qkvbfg(h)
+    project = la.forward_qkvbfg_fused if la.do_fuse_qkvbfg else la.forward_qkvbfg
+    # GLM-5.3-Flash's projections take the forward batch too, which they do not read
+    return project(h, None) if _takes_forward_batch(project.__func__) else project(h)
+
+
+@functools.cache
+def _takes_forward_batch(function) -> bool:
+    return "forward_batch" in inspect.signature(function).parameters
+
+
+def replay_mixer(mixer, pool, layer_id: int, h: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+    """Layer `layer_id`'s KDA mixer over the batch's tails from its normed input h: states into the batch's slots,
+    log decays into its survival bound. Returns the output before its TP sum (a group's last layer needs none)."""
+    out, log_decay = replay_kda_mixer(mixer, pool.mamba2_layer_cache(layer_id), h, batch.cu_seqlens,
+                                      batch.tail_lens, batch.mamba_slots)
+    batch.observe_decay(log_decay)
+    return out
 
 
 def replay_kda_mixer(la, cache, h: torch.Tensor, cu_seqlens: torch.Tensor, tail_lens: list[int],
