@@ -28,6 +28,8 @@ MARKERS = dict(image_token="<|image|>", video_token="<|video|>")
 SPECIAL_TOKENS = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
                   "<|end_of_video|>")
 INDEX_KPOOL = 2
+MAX_IMAGE_TOKENS = 64  # rows of one image in the language model, after the 2 x 2 merge
+PATCHING = dict(patch_size=8, spatial_merge_size=2, temporal_patch_size=2)  # the tower's, and its processor's
 TEXT_FIELDS = dict(
     q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
     index_topk=2048, index_head_dim=128, index_n_heads=2, index_kpool=INDEX_KPOOL,
@@ -39,7 +41,8 @@ SERVING_FIELDS = dict(mhc=True, index_kpool_compress=True, first_k_dense_replace
 
 def glm5_config(preset, tokenizer):
     """Glm5NextConfig: the preset's text sizes (layers, hidden, vocab, heads, MoE) with GLM's fields, every fourth
-    layer MLA (as GLM's default pattern), the first layer dense, under a tower of the preset's vision sizes."""
+    layer MLA (as GLM's default pattern), the first layer dense, under a tower of the preset's vision sizes (patching:
+    PATCHING)."""
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
 
     n, moe, vision = preset.num_hidden_layers, preset.moe, preset.vision
@@ -52,8 +55,8 @@ def glm5_config(preset, tokenizer):
                 layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)],
                 mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
                 pad_token_id=tokenizer.token_to_id("<|endoftext|>"), eos_token_id=tokenizer.token_to_id("<|im_end|>"))
-    tower = dict(depth=vision.depth, hidden_size=vision.hidden_size, num_heads=vision.num_heads,
-                 intermediate_size=vision.intermediate_size, patch_size=vision.patch_size,
+    tower = dict(PATCHING, depth=vision.depth, hidden_size=vision.hidden_size, num_heads=vision.num_heads,
+                 intermediate_size=vision.intermediate_size,
                  out_hidden_size=preset.hidden_size, projection_intermediate_size=2 * preset.intermediate_size)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     return Glm5NextConfig(text_config=text, vision_config=tower, image_token_id=ids["<|image|>"],
@@ -77,16 +80,19 @@ def init_gates(model, memory_tokens: tuple[float, float]) -> None:
 
 
 def save_processor(model_type: str, tokenizer, out_dir: Path) -> None:
-    """transformers' Glm5NextProcessor at its defaults (the vision builders' common signature). It writes tokenizer
-    files of its own: `models.save_tokenizer` runs after it, then the build puts MARKERS back (`models.mark_tokens`)."""
+    """transformers' Glm5NextProcessor patching as the tower does (PATCHING), at most MAX_IMAGE_TOKENS rows per image
+    (the vision builders' common signature). It writes tokenizer files of its own: `models.save_tokenizer` runs after
+    it, then the build puts MARKERS back (`models.mark_tokens`)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.models.glm5_next.image_processing_glm5_next import Glm5NextImageProcessor
     from transformers.models.glm5_next.processing_glm5_next import Glm5NextProcessor
     from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, extra_special_tokens=MARKERS)
-    Glm5NextProcessor(image_processor=Glm5NextImageProcessor(), video_processor=Glm5NextVideoProcessor(),
-                      tokenizer=fast).save_pretrained(out_dir)
+    patching = dict(patch_size=PATCHING["patch_size"], merge_size=PATCHING["spatial_merge_size"],
+                    temporal_patch_size=PATCHING["temporal_patch_size"])
+    Glm5NextProcessor(image_processor=Glm5NextImageProcessor(**patching, max_image_tokens=MAX_IMAGE_TOKENS),
+                      video_processor=Glm5NextVideoProcessor(**patching), tokenizer=fast).save_pretrained(out_dir)
 
 
 def serving_config(config_file: Path) -> None:
