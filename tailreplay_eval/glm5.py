@@ -103,3 +103,33 @@ def serving_config(config_file: Path) -> None:
     for sub in ("text_config", "vision_config"):
         config[sub]["dtype"] = config["dtype"]
     config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_mtp_head(checkpoint: Path, seed: int) -> None:
+    """Add a NEXTN layer at `model.language_model.layers.<num_hidden_layers>.` and declare it
+    (`num_nextn_predict_layers`), as GLM ships its MTP layer; SGLang serves it as the draft
+    `Glm5NextForConditionalGenerationNextN`: the embedding of token i + 1 and the target's hidden at token i (its
+    streams contracted), each normed (`enorm`, `hnorm`) and projected together (`eh_proj`), pass one indexed MLA + MoE
+    layer on a plain residual and `shared_head.norm`. The layer starts as a copy of the target's last MLA layer without
+    its mHC weights, and `eh_proj` is drawn from `seed`; transformers' glm5_next has no MTP module to distil it from,
+    so its drafts are rarely accepted: the target's tokens must come out whatever the draft says."""
+    from safetensors.torch import load_file, save_file
+
+    from tailreplay_eval.mtp import nextn_fusion
+
+    config_file, weights = checkpoint / "config.json", checkpoint / "model.safetensors"
+    config = json.loads(config_file.read_text())
+    text = config["text_config"]
+    hidden, nextn = text["hidden_size"], text["num_hidden_layers"]
+    last_mla = max(i for i, kind in enumerate(text["layer_types"]) if kind == "indexed_attention")
+    stack = "model.language_model.layers."
+    tensors = load_file(weights)
+    source, target = f"{stack}{last_mla}.", f"{stack}{nextn}."
+    for name, tensor in list(tensors.items()):
+        if name.startswith(source) and not name.removeprefix(source).startswith("hc_"):
+            tensors[target + name.removeprefix(source)] = tensor.clone()
+    tensors.update(nextn_fusion(target, hidden, tensors["lm_head.weight"].dtype, seed,
+                                ("enorm", "hnorm", "shared_head.norm")))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    text["num_nextn_predict_layers"] = 1
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

@@ -203,12 +203,10 @@ def write_mtp_head(checkpoint: Path, seed: int) -> None:
     for name, tensor in list(tensors.items()):
         if name.startswith(source):
             tensors[f"model.layers.{nextn}." + name.removeprefix(source)] = tensor.clone()
-    dtype = tensors["lm_head.weight"].dtype
-    generator = torch.Generator().manual_seed(seed)
-    tensors[f"model.layers.{nextn}.eh_proj.weight"] = (
-        torch.randn(hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5).to(dtype)
-    for norm in ("enorm", "hnorm", "final_layernorm"):
-        tensors[f"model.layers.{nextn}.{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    from tailreplay_eval.mtp import nextn_fusion
+
+    tensors.update(nextn_fusion(f"model.layers.{nextn}.", hidden, tensors["lm_head.weight"].dtype, seed,
+                                ("enorm", "hnorm", "final_layernorm")))
     save_file(tensors, weights, metadata={"format": "pt"})
     config["num_nextn_predict_layers"] = 1
     config_file.write_text(json.dumps(config, indent=2) + "\n")

@@ -350,9 +350,10 @@ PRESETS: dict[str, Preset] = {
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # GLM-5.3-Flash (glm5_next, `tailreplay_eval.glm5`): KDA and DSA-indexed MLA layers (every fourth) under 4 mHC
-    # streams, a dense first layer then MoE, under a vision tower.
+    # streams, a dense first layer then MoE, under a vision tower, with an undistilled MTP layer
+    # (`glm5.write_mtp_head`).
     "tiny-glm-5.3-flash": Preset(
-        model_type="glm5_next", **TINY, vision=TINY_VISION,
+        model_type="glm5_next", **TINY, vision=TINY_VISION, mtp_layers=1,
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     ),
     # MiniCPM-V 4.6 (minicpmv4_6, `tailreplay_eval.minicpmv`): tiny-qwen35's text stack under a two-layer SigLIP tower
@@ -993,6 +994,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     if preset.mtp_layers and preset.model_type == "qwen4_exp":
         qwen4exp.write_mtp_head(staging, record["seed"])
+    elif preset.mtp_layers and preset.model_type == "glm5_next":
+        glm5.write_mtp_head(staging, record["seed"])
     elif preset.mtp_layers and preset.model_type == "bailing_hybrid":
         from tailreplay_eval.ling import write_mtp_head
 

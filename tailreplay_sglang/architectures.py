@@ -65,6 +65,7 @@ DRAFTS = {
     "Qwen4ExpForCausalLMMTP": "Qwen4ExpForConditionalGeneration",
     # Ling-3.0's and Ling-2.5's; on Ling-2.5 the target's family (lightning) refuses speculative decoding
     "BailingMoeForCausalLMNextN": "BailingMoeV3ForCausalLM",
+    "Glm5NextForConditionalGenerationNextN": "Glm5NextForConditionalGeneration",
 }
 
 _NO_FAMILY = "a mixer with no replay family here yet"
@@ -75,8 +76,6 @@ _DRAFT = "an MTP draft of a model Tail-Replay does not serve"
 # registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
 REFUSED = {
     # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
-    "Glm5NextForConditionalGenerationNextN": ("GLM-5.3-Flash's MTP draft: speculative decoding is not tested on KDA "
-                                              "under mHC streams (its target is served without a draft)"),
     "KimiK3ForConditionalGeneration": ("Kimi K3 with its vision tower: image rows in group 0 and in the first "
                                        "banked row; " + _UNTESTED + " (its text model, KimiK3LinearForCausalLM, is "
                                        "served)"),

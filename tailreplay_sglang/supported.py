@@ -133,13 +133,15 @@ def unsupported(server_args) -> list[str]:
 
 def check_speculative_family(family, server_args) -> None:
     """Speculative decoding with Tail-Replay is tested on the families whose `speculative` is set: GDN (Qwen3.5,
-    Qwen3-Next), GDN under hyper-connections (Qwen3.8-Flash-Next) and KDA (Ling-3.0), with their MTP heads; the others'
-    verify paths are not (Nemotron-H's MTP on Mamba2: on a CPU its ops refuse a verify mid-serving)."""
+    Qwen3-Next), GDN under hyper-connections (Qwen3.8-Flash-Next), KDA (Ling-3.0) and KDA under mHC streams
+    (GLM-5.3-Flash), with their MTP heads; the others' verify paths are not (Nemotron-H's MTP on Mamba2: on a CPU its
+    ops refuse a verify mid-serving)."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if algorithm and family is not None and not family.speculative:
         raise UnsupportedConfigError(
             f"--speculative-algorithm {algorithm} with --enable-tail-replay is tested on GDN and KDA models (Qwen3.5, "
-            f"Qwen3-Next, Qwen3.8-Flash-Next, Ling-3.0) only; this model's recurrent layers are {family.name}")
+            f"Qwen3-Next, Qwen3.8-Flash-Next, Ling-3.0, GLM-5.3-Flash) only; this model's recurrent layers are "
+            f"{family.name}")
 
 
 def check_dp_attention_family(family, server_args) -> None:

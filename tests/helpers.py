@@ -558,3 +558,13 @@ def prompt_logprobs_at(model, ids):
     """The reference model's next-token log-probs after `ids`."""
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+
+
+def assert_drafted_as_plain(plain, spec, ids, start, new) -> None:
+    """A cold request under a NEXTN draft (`spec`): the draft runs (verify steps counted) and the outputs are the
+    target's own, as the same target decodes them without a draft (`plain`), within the exactness bound."""
+    for server in (plain, spec):
+        flush_cache(server.base_url)
+    reference, drafted = scored(plain, ids, start, new), scored(spec, ids, start, new)
+    assert drafted["meta"]["spec_verify_ct"] > 0
+    assert_exact(drafted, reference)

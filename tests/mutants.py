@@ -404,6 +404,14 @@ MUTANTS = (
            "        x = capture.widened(x, model.config.hc_mult, model.config.hidden_size)\n"
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_glm5.py::test_a_fork_replays_every_stream_and_equals_no_cache[paper-450]",), server=True),
+    Mutant("mhc-one-stream-spec", "the same mutation, caught with GLM-5.3-Flash's MTP draft on (NEXTN, anchored "
+           "replay)",
+           "tailreplay_sglang/families/mhc_kda.py",
+           "        return capture.widened(x, model.config.hc_mult, model.config.hidden_size)\n",
+           "        x = capture.widened(x, model.config.hc_mult, model.config.hidden_size)\n"
+           "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
+           ("tests/test_glm5.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[450]",),
+           server=True),
     Mutant("kda-verify-head-decay", "the CPU port's token-by-token KDA step (decode and verify) decays each head's "
            "state by one mean gate (GDN's form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/kda.py",
            "    g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound)\n",

@@ -12,7 +12,8 @@ the same weights: greedy tokens (up to a near-tie) and prompt log-probs.
 Tail-Replay stores all 4 streams of each group's input (group 0's too: a vision-language checkpoint), read where
 SGLang's attention boundary keeps them. Hits are checked against the server's own no-cache prefill: anchored (256-token
 prefill chunks, so a fork replays a 128-token page from the chunk-end anchor below it) and paper (the whole prefix
-from cleared states), chat turns on the anchored server, and a hit through an image on both. Images are not
+from cleared states), chat turns on the anchored server, and a hit through an image on both; with the checkpoint's
+MTP layer as the NEXTN draft (a third server), the target's tokens and exact forks. Images are not
 compared with HF: the served log-probs of a 64-row image's rows differ from HF's float32 by up to 0.79 nats and the
 text after it by 0.027, greedy tokens equal (measured 2026-12-07, cause not located).
 """
@@ -21,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
-from helpers import (EXACT_FLAGS, MODELS_DIR, Spec, assert_anchored_hit, assert_exact, assert_greedy_agrees,
-                     generate, image, no_cache, random_ids, scored, start_servers, with_images)
+from helpers import (EXACT_FLAGS, MODELS_DIR, Spec, assert_anchored_hit, assert_drafted_as_plain, assert_exact,
+                     assert_greedy_agrees, generate, image, no_cache, random_ids, scored, start_servers, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model, prompt_logprobs
 from tailreplay_eval.server import ServerProcess, flush_cache
@@ -39,7 +40,12 @@ LOGPROB_TOL = 5e-3
 TIE = 5e-3  # nats: a near-tie where float rounding may pick either of the top two
 ANCHORED = ("--enable-tail-replay", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
             "--tail-replay-fold-tokens", "0")
-SERVERS = {"anchored": ANCHORED, "paper": EXACT_FLAGS}
+# The checkpoint's MTP layer as SGLang's NEXTN draft (Glm5NextForConditionalGenerationNextN): SGLang's recipe of 3
+# steps, top-1, 4 draft tokens. SGLang's start-up memory check counts what the servers starting beside it take against
+# --mem-fraction-static (test_speculative).
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "4", "--mem-fraction-static", "0.5")
+SERVERS = {"anchored": ANCHORED, "paper": EXACT_FLAGS, "nextn": ANCHORED + NEXTN}
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +87,21 @@ def test_a_fork_replays_every_stream_and_equals_no_cache(servers, name, cut):
     below it or from cleared states, through both KDA groups from their stored 4-stream rows, and equals no cache.
     At 650 the anchored server's match (640) is where the 700-token prefill ended, whose state SGLang's extra_buffer
     kept (its last whole page): the stock hit, with nothing to replay."""
-    server = servers[name]
+    meta = fork(servers[name], cut, NEW)["meta"]
+    anchored = {200: 128, 450: 128, 650: 0}[cut]
+    assert meta["tail_replay_tokens"] == (meta["cached_tokens"] if name == "paper" else anchored)
+
+
+def fork(server, cut: int, new: int) -> dict:
+    """BASE served, then a fork of it at `cut`: the hit, checked to match whole pages, labelled exact and equal to
+    the server's own no-cache run."""
     flush_cache(server.base_url)
     generate(server, BASE, 2)
     ids = BASE[:cut] + random_ids(40, seed=12)
-    hit = scored(server, ids, cut, NEW)
-    meta = hit["meta"]
-    assert meta["cached_tokens"] == cut // PAGE * PAGE and meta["tail_replay_exact"]
-    replayed = meta["cached_tokens"] if name == "paper" else {200: 128, 450: 128, 650: 0}[cut]
-    assert meta["tail_replay_tokens"] == replayed
-    assert_exact(hit, no_cache(server, ids, cut, NEW))
+    hit = scored(server, ids, cut, new)
+    assert hit["meta"]["cached_tokens"] == cut // PAGE * PAGE and hit["meta"]["tail_replay_exact"]
+    assert_exact(hit, no_cache(server, ids, cut, new))
+    return hit
 
 
 def test_chat_turns_hit_their_history_and_equal_no_cache(servers):
@@ -130,6 +141,24 @@ def test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache(serv
     hit = scored(server, again, shared, NEW, **with_images(picture))
     assert hit["meta"]["cached_tokens"] == PAGE and hit["meta"]["tail_replay_tokens"] == PAGE
     assert_exact(hit, no_cache(server, again, shared, NEW, **with_images(picture)))
+
+
+SPEC_NEW = 24  # verify steps enough for drafts accepted and rejected both
+
+
+def test_speculative_decoding_gives_the_targets_tokens(servers):
+    """NEXTN with GLM's MTP layer (a plain-residual DeepSeek layer reading the contracted streams) on a cold
+    700-token request: the target's tokens, as the anchored server decodes them without a draft."""
+    assert_drafted_as_plain(servers["anchored"], servers["nextn"], BASE, 690, SPEC_NEW)
+
+
+@pytest.mark.parametrize("cut", [200, 450])
+def test_a_fork_under_speculative_decoding_replays_and_equals_no_cache(servers, cut):
+    """With the MTP draft, a fork's hit replays the page above the chunk-end anchor below its match through both
+    groups' 4 stored streams, and the verify steps that follow (the draft's KV for the matched tokens read from the
+    cache, the target's states from the replay) give what the server gives without a cache."""
+    meta = fork(servers["nextn"], cut, SPEC_NEW)["meta"]
+    assert meta["tail_replay_tokens"] == PAGE and meta["spec_verify_ct"] > 0
 
 
 def test_a_server_of_this_checkpoint_takes_sglangs_paged_scheduling(model_path):

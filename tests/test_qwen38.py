@@ -23,8 +23,8 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
-from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, assert_exact, generate, image, no_cache, scored,
-                     start_servers, with_images)
+from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, assert_drafted_as_plain, assert_exact, generate, image,
+                     no_cache, scored, start_servers, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import ServerProcess, cpu_serving_dtype, flush_cache
@@ -157,12 +157,7 @@ SPEC_NEW = 24  # enough verify steps to commit drafts both accepted and rejected
 def test_speculative_decoding_gives_the_targets_tokens(servers):
     """NEXTN with the MTP head on a cold 700-token request: the draft runs (verify steps counted) and the outputs
     are the target's own, as the same target decodes them without a draft (the anchored server)."""
-    plain, spec = servers["anchored"], servers["nextn"]
-    for server in (plain, spec):
-        flush_cache(server.base_url)
-    reference, drafted = scored(plain, BASE, 690, SPEC_NEW), scored(spec, BASE, 690, SPEC_NEW)
-    assert drafted["meta"]["spec_verify_ct"] > 0
-    assert_exact(drafted, reference)
+    assert_drafted_as_plain(servers["anchored"], servers["nextn"], BASE, 690, SPEC_NEW)
 
 
 @pytest.mark.parametrize("cut", [200, 450])

@@ -48,6 +48,9 @@ CPU_ENGINE = (
     Hook(f"{_SRT}.models.bailing_moe_nextn.BailingMoeForCausalLMNextN.set_embed_and_head", "replace",
          f"{_PKG}.speculative:share_embed_and_head",
          "Ling's NEXTN draft synchronizes CUDA after taking the target's embedding and LM head"),
+    Hook(f"{_SRT}.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head", "replace",
+         f"{_PKG}.speculative:share_embed_and_head",
+         "GLM-5.3-Flash's NEXTN draft (a DeepseekV2 model) synchronizes CUDA after taking the target's embedding"),
     Hook(f"{_SRT}.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu", "replace",
          f"{_PKG}.speculative:keep_overlap_schedule",
          "SGLang turns overlap off for speculative decoding on a CPU: its GPU default (spec v2 + overlap) and "

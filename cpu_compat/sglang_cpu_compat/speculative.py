@@ -161,9 +161,12 @@ def keep_overlap_schedule(server_args) -> None:
 
 
 def share_embed_and_head(model, embed, head):
-    """REPLACE `BailingMoeForCausalLMNextN.set_embed_and_head`: the draft takes the target's embedding and LM head, as
-    SGLang's does, without the `torch.cuda.empty_cache()` / `synchronize()` after it, which a CPU-only torch refuses."""
-    del model.model.word_embeddings.weight
+    """REPLACE `BailingMoeForCausalLMNextN.set_embed_and_head` and `DeepseekV2ForCausalLM.set_embed_and_head` (GLM-5.3-
+    Flash's NEXTN draft inherits it): the draft takes the target's embedding and LM head, as SGLang's does, without the
+    `torch.cuda.empty_cache()` / `synchronize()` after it, which a CPU-only torch refuses."""
+    stack = model.model
+    embedding = stack.word_embeddings if hasattr(stack, "word_embeddings") else stack.embed_tokens  # Ling's name
+    del embedding.weight
     del model.lm_head.weight
-    model.model.word_embeddings.weight = embed
+    embedding.weight = embed
     model.lm_head.weight = head

@@ -27,8 +27,8 @@ _FEED_FORWARD = ("mlp", "hc_ffn_pre", "post_attention_layernorm")
 
 class MhcKdaFamily(KdaFamily):
     name = "kda_mhc"
-    dp_attention = False  # neither is tested on this family
-    speculative = False
+    dp_attention = False  # not tested on this family
+    speculative = True  # GLM-5.3-Flash's MTP layer (tests/test_glm5.py)
 
     def install_capture(self, model, store) -> list:
         return capture.at_stage_boundaries(model.layers, store, lambda layer: layer.attn_boundary)
