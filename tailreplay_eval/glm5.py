@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tailreplay_eval.nextn import nextn_fusion
+
 # The processor's marker tokens (Glm5NextProcessor finds image and video ones by these names)
 MARKERS = dict(image_token="<|image|>", video_token="<|video|>")
 SPECIAL_TOKENS = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
@@ -114,8 +116,6 @@ def write_mtp_head(checkpoint: Path, seed: int) -> None:
     its mHC weights, and `eh_proj` is drawn from `seed`; transformers' glm5_next has no MTP module to distil it from,
     so its drafts are rarely accepted: the target's tokens must come out whatever the draft says."""
     from safetensors.torch import load_file, save_file
-
-    from tailreplay_eval.mtp import nextn_fusion
 
     config_file, weights = checkpoint / "config.json", checkpoint / "model.safetensors"
     config = json.loads(config_file.read_text())

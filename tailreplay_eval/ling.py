@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tailreplay_eval.nextn import nextn_fusion
+
 LING_ARCHITECTURE = "BailingMoeV3ForCausalLM"
 KDA_NORM_EPS = 1e-6  # `BailingKDA` builds its output norm at 1e-6 whatever rms_norm_eps says (Kimi: rms_norm_eps)
 GATE = "element_wise"
@@ -203,8 +205,6 @@ def write_mtp_head(checkpoint: Path, seed: int) -> None:
     for name, tensor in list(tensors.items()):
         if name.startswith(source):
             tensors[f"model.layers.{nextn}." + name.removeprefix(source)] = tensor.clone()
-    from tailreplay_eval.mtp import nextn_fusion
-
     tensors.update(nextn_fusion(f"model.layers.{nextn}.", hidden, tensors["lm_head.weight"].dtype, seed,
                                 ("enorm", "hnorm", "final_layernorm")))
     save_file(tensors, weights, metadata={"format": "pt"})

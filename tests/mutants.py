@@ -412,6 +412,11 @@ MUTANTS = (
            "        return torch.cat([x[:, :-x.shape[-1] // 4], torch.zeros_like(x[:, -x.shape[-1] // 4:])], dim=-1)\n",
            ("tests/test_glm5.py::test_a_fork_under_speculative_decoding_replays_and_equals_no_cache[450]",),
            server=True),
+    Mutant("glm-moe-scaled-twice", "the CPU port's MoE row scales DeepseekV2MoE's routed output again, which the block "
+           "already scaled (GLM-5.3-Flash's routed_scaling_factor 2.5)", "cpu_compat/sglang_cpu_compat/moe.py",
+           "            and not glm5.routed_scale_in_block(layer)):  # DeepseekV2MoE scales off CUDA itself\n",
+           "            and True):\n",
+           ("tests/test_glm5.py::test_stock_serves_hfs_greedy_tokens_and_prompt_logprobs",), server=True),
     Mutant("kda-verify-head-decay", "the CPU port's token-by-token KDA step (decode and verify) decays each head's "
            "state by one mean gate (GDN's form) instead of per key channel", "cpu_compat/sglang_cpu_compat/ops/kda.py",
            "    g = kda_gate(a.reshape(T, HV, K), A_log, dt_bias, lower_bound)\n",
