@@ -14,22 +14,18 @@ from torch import nn
 
 from tailreplay_eval import jet_nemotron, kimi_k3, ling, ling25, nemotron_puzzle, zaya
 
-# modeling module -> names of GDN functions that transformers routes to fla when it is installed
+# names of the recurrent functions a modeling module defines, which transformers routes to fla when it is installed
+_GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+_KDA = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update")
+# modeling module -> those names
 _GDN_FUNCTIONS = {
-    "transformers.models.qwen3_5.modeling_qwen3_5": (
-        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.qwen3_next.modeling_qwen3_next": (
-        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": (
-        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.qwen4_exp.modeling_qwen4_exp": (
-        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": (
-        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.kimi_linear.modeling_kimi_linear": (
-        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"),
-    "transformers.models.glm5_next.modeling_glm5_next": (
-        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"),
+    "transformers.models.qwen3_5.modeling_qwen3_5": _GDN,
+    "transformers.models.qwen3_next.modeling_qwen3_next": _GDN,
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": _GDN,
+    "transformers.models.qwen4_exp.modeling_qwen4_exp": _GDN,
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": _GDN,
+    "transformers.models.kimi_linear.modeling_kimi_linear": _KDA,
+    "transformers.models.glm5_next.modeling_glm5_next": _KDA,
 }
 
 

@@ -568,3 +568,15 @@ def assert_drafted_as_plain(plain, spec, ids, start, new) -> None:
     reference, drafted = scored(plain, ids, start, new), scored(spec, ids, start, new)
     assert drafted["meta"]["spec_verify_ct"] > 0
     assert_exact(drafted, reference)
+
+
+def paged_fork(server, base: list[int], cut: int, tail: list[int], new: int, page: int) -> dict:
+    """`base` served, then a fork of it at `cut` continued by `tail`: the hit, checked to match whole `page`-token
+    pages, labelled exact and equal to the server's own no-cache run."""
+    flush_cache(server.base_url)
+    scored(server, base, len(base) - 10, 2)
+    ids = base[:cut] + tail
+    hit = scored(server, ids, cut, new)
+    assert hit["meta"]["cached_tokens"] == cut // page * page and hit["meta"]["tail_replay_exact"]
+    assert_exact(hit, no_cache(server, ids, cut, new))
+    return hit

@@ -23,7 +23,8 @@ import torch
 from transformers import AutoProcessor
 
 from helpers import (EXACT_FLAGS, MODELS_DIR, Spec, assert_anchored_hit, assert_drafted_as_plain, assert_exact,
-                     assert_greedy_agrees, generate, image, no_cache, random_ids, scored, start_servers, with_images)
+                     assert_greedy_agrees, generate, image, no_cache, paged_fork, random_ids, scored, start_servers,
+                     with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model, prompt_logprobs
 from tailreplay_eval.server import ServerProcess, flush_cache
@@ -93,15 +94,7 @@ def test_a_fork_replays_every_stream_and_equals_no_cache(servers, name, cut):
 
 
 def fork(server, cut: int, new: int) -> dict:
-    """BASE served, then a fork of it at `cut`: the hit, checked to match whole pages, labelled exact and equal to
-    the server's own no-cache run."""
-    flush_cache(server.base_url)
-    generate(server, BASE, 2)
-    ids = BASE[:cut] + random_ids(40, seed=12)
-    hit = scored(server, ids, cut, new)
-    assert hit["meta"]["cached_tokens"] == cut // PAGE * PAGE and hit["meta"]["tail_replay_exact"]
-    assert_exact(hit, no_cache(server, ids, cut, new))
-    return hit
+    return paged_fork(server, BASE, cut, random_ids(40, seed=12), new, PAGE)
 
 
 def test_chat_turns_hit_their_history_and_equal_no_cache(servers):

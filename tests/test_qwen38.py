@@ -24,7 +24,7 @@ import torch
 from transformers import AutoProcessor
 
 from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, assert_drafted_as_plain, assert_exact, generate, image,
-                     no_cache, scored, start_servers, with_images)
+                     no_cache, paged_fork, scored, start_servers, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import ServerProcess, cpu_serving_dtype, flush_cache
@@ -140,15 +140,7 @@ def test_a_fork_replays_every_stream_and_equals_no_cache(servers, name, cut):
 
 
 def fork(server, cut: int, new: int) -> dict:
-    """BASE served, then a fork of it at `cut`: the hit, checked to match whole pages, labelled exact and equal to
-    the server's own no-cache run."""
-    flush_cache(server.base_url)
-    scored(server, BASE, 690, 2)
-    ids = BASE[:cut] + [(5 * i) % 300 + 40 for i in range(40)]
-    hit = scored(server, ids, cut, new)
-    assert hit["meta"]["cached_tokens"] == cut // PAGE * PAGE and hit["meta"]["tail_replay_exact"]
-    assert_exact(hit, no_cache(server, ids, cut, new))
-    return hit
+    return paged_fork(server, BASE, cut, [(5 * i) % 300 + 40 for i in range(40)], new, PAGE)
 
 
 SPEC_NEW = 24  # enough verify steps to commit drafts both accepted and rejected
