@@ -21,7 +21,7 @@ from rich.table import Table
 
 from tailreplay_eval.client import chat_ids, document, stream_generate
 from tailreplay_eval.models import build_model, load_tokenizer
-from tailreplay_eval.server import ServerProcess, cpu_serving_dtype
+from tailreplay_eval.server import ServerProcess, cpu_serving_dtype, ships_remote_code
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--server-args", default=None,
                     help="flags for both servers (default: --dtype float32, these CPUs have no fast bf16 matmul; "
-                         "bfloat16 where SGLang builds the model partly in bfloat16: server.cpu_serving_dtype)")
+                         "bfloat16 where SGLang builds the model partly in bfloat16: server.cpu_serving_dtype; "
+                         "with --trust-remote-code where the checkpoint ships its processor's code)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "shared_prefix.json"))
     args = ap.parse_args(argv)
 
@@ -79,6 +80,8 @@ def main(argv=None):
     tok = load_tokenizer(model_path)
     if args.server_args is None:
         args.server_args = f"--dtype {cpu_serving_dtype(model_path)}"
+        if ships_remote_code(model_path):  # the checkpoint's own processor (Kimi K3's)
+            args.server_args += " --trust-remote-code"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = {}

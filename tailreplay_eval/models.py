@@ -27,8 +27,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
-from tailreplay_eval import (glm5, jet_nemotron, kimi_k3, lfm2vl, minicpmv, nemotron_omni, nemotron_puzzle, qwen4exp,
-                             zaya)
+from tailreplay_eval import (glm5, jet_nemotron, kimi_k3, kimi_k3_vl, lfm2vl, minicpmv, nemotron_omni,
+                             nemotron_puzzle, qwen4exp, zaya)
 from tailreplay_eval.corpus import training_corpus
 from tailreplay_eval.tasks import vocabulary_texts
 
@@ -186,6 +186,9 @@ class Preset:
     # Kimi K3 (KimiLinearForCausalLM's config and layers under attention residuals, `tailreplay_eval.kimi_k3`): the
     # bank's block size (attn_res_block_size); None: Kimi Linear.
     attn_res_block: int | None = None
+    # Kimi K3 with its vision tower (KimiK3ForConditionalGeneration, `tailreplay_eval.kimi_k3_vl`): the K3 build under
+    # a tiny MoonViT3d tower, with K3's media tokens and processor.
+    kimi_vision: bool = False
     # LFM2 (model_type lfm2): its short-conv and attention layers; num_hidden_layers is the pattern's length.
     short_conv: ShortConv | None = None
     # Nemotron-H Puzzle (`tailreplay_eval.nemotron_puzzle`): the `mamba2` pattern's MoE layers with their own sizes,
@@ -335,6 +338,14 @@ PRESETS: dict[str, Preset] = {
         kda=Kda(pattern="KKK*KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
     ),
+    # Kimi K3 with its vision tower (KimiK3ForConditionalGeneration; `tailreplay_eval.kimi_k3_vl`): tiny-kimi-k3's
+    # language model (its own tokenizer, with K3's media tokens) under a two-block MoonViT3d tower.
+    "tiny-kimi-k3-vl": Preset(
+        model_type="kimi_linear", **dict(TINY, num_hidden_layers=12), attn_res_block=8, kimi_vision=True,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        kda=Kda(pattern="KKK*KKK*KKK*", num_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16),
+    ),
     # Jet-Nemotron (jet_nemotron, `tailreplay_eval.jet_nemotron`): the tiny sizes in 6 layers, two groups of two
     # JetBlocks (4 heads of 16 key and 32 value channels, a 4-tap dynamic conv) each closed by Qwen2 attention.
     "tiny-jet-nemotron": Preset(
@@ -468,6 +479,8 @@ def preset_tokenizer(preset: Preset) -> Tokenizer:
     """The tokenizer a preset's build gets."""
     wrapper = VISION_WRAPPERS.get(preset.model_type)
     special = SPECIAL_TOKENS + (wrapper.SPECIAL_TOKENS if wrapper else VISION_TOKENS if preset.vision else ())
+    if preset.kimi_vision:
+        special += kimi_k3_vl.SPECIAL_TOKENS
     return train_tokenizer(preset.vocab_size, vocabulary_texts() if preset.task_words else (), special)
 
 
@@ -976,6 +989,8 @@ def _write_build(preset: Preset, record: dict, staging: Path) -> None:
             convert_to_ling(staging, preset.rope_theta, record["seed"])
         elif preset.attn_res_block is not None:
             kimi_k3.convert_to_k3(staging, record["seed"], preset.attn_res_block)
+            if preset.kimi_vision:
+                kimi_k3_vl.wrap_with_vision(staging, record["seed"], tokenizer)
     elif preset.model_type == "lfm2_vl":
         lfm2vl.liquid_names(staging / "model.safetensors")
     elif preset.model_type == "nemotron_h_omni":

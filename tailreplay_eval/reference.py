@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tailreplay_eval import jet_nemotron, kimi_k3, ling, ling25, nemotron_puzzle, zaya
+from tailreplay_eval import jet_nemotron, kimi_k3, kimi_k3_vl, ling, ling25, nemotron_puzzle, zaya
 
 # names of the recurrent functions a modeling module defines, which transformers routes to fla when it is installed
 _GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
@@ -61,7 +61,7 @@ def load_reference(model_path, dtype=torch.float32):
     else a torch reference (Ling-3.0: `load_ling_reference`; Ling-2.5: `load_ling25_reference`; Nemotron-H Puzzle:
     transformers' Nemotron-H with per-layer blocks, `nemotron_puzzle.load_reference`; Jet-Nemotron: transformers'
     Qwen2 with torch JetBlocks, `jet_nemotron.load_reference`; Kimi K3: transformers' Kimi Linear under attention
-    residuals, `load_kimi_k3_reference`)."""
+    residuals, `load_kimi_k3_reference`, and K3's vision checkpoint's language model)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("architectures") == [jet_nemotron.ARCHITECTURE]:
         return jet_nemotron.load_reference(Path(model_path), dtype)
@@ -71,6 +71,9 @@ def load_reference(model_path, dtype=torch.float32):
         return load_ling_reference(Path(model_path), dtype)
     if config.get("architectures") == [kimi_k3.K3_ARCHITECTURE]:
         return load_kimi_k3_reference(Path(model_path), dtype)
+    if config.get("architectures") == [kimi_k3_vl.ARCHITECTURE]:  # its language model, on text
+        with tempfile.TemporaryDirectory(prefix="k3-text-") as folder:
+            return load_kimi_k3_reference(kimi_k3_vl.write_language_model(Path(model_path), Path(folder)), dtype)
     if config.get("architectures") == [zaya.ARCHITECTURE]:  # Zyphra's layout, renamed back for transformers
         return zaya.load_reference(Path(model_path), dtype)
     if config.get("architectures") == [nemotron_puzzle.ARCHITECTURE]:

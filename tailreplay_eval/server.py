@@ -51,6 +51,13 @@ def cpu_serving_dtype(model_path) -> str:
     return "bfloat16" if _text_config(model_path).get("hc_count", 1) > 1 else "float32"
 
 
+def ships_remote_code(model_path) -> bool:
+    """Whether the checkpoint's processor is its own code (`auto_map` in processor_config.json, as Kimi K3's:
+    `tailreplay_eval.kimi_k3_vl`), which SGLang loads only under --trust-remote-code."""
+    config_file = Path(model_path) / "processor_config.json"
+    return config_file.is_file() and "auto_map" in json.loads(config_file.read_text())
+
+
 def pages_required(model_path) -> bool:
     """Whether SGLang forces pages larger than one token on this checkpoint, which only its GPU default (extra_buffer)
     allows: Qwen3.8-Flash-Next's QSA indexer (64-token pages, `arg_groups/model_overrides/qwen4_exp.py`) and

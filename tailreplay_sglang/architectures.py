@@ -53,6 +53,8 @@ SERVED = {
                              "state per request beside its KV; MoE)"),
     "KimiK3LinearForCausalLM": (KDA_ATTN_RES, "Kimi K3, text (KDA + gated NoPE MLA under attention residuals; "
                                               "without the latent MoE)"),
+    "KimiK3ForConditionalGeneration": (KDA_ATTN_RES, "Kimi K3 with its MoonViT3d vision tower (images; the text "
+                                                     "model as KimiK3LinearForCausalLM)"),
     "Glm5NextForConditionalGeneration": (MHC_KDA, "GLM-5.3-Flash (KDA + DSA-indexed MLA under 4 mHC streams, MoE; "
                                                   "dense attention up to index_topk on a CPU)"),
 }
@@ -76,9 +78,6 @@ _DRAFT = "an MTP draft of a model Tail-Replay does not serve"
 # registry): why Tail-Replay refuses it, read from the model's structure in SGLang's model file.
 REFUSED = {
     # the 2026 frontier hybrids (../shared/notes/frontier-hybrids-2026-12-06.md)
-    "KimiK3ForConditionalGeneration": ("Kimi K3 with its vision tower: image rows in group 0 and in the first "
-                                       "banked row; " + _UNTESTED + " (its text model, KimiK3LinearForCausalLM, is "
-                                       "served)"),
     "BailingMoeV3VLForConditionalGeneration": ("Ling-3.0 vision-language: KDA + gated MLA; " + _UNTESTED),
     # the other hybrids
     "FalconH1ForCausalLM": (

@@ -195,7 +195,7 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
                          f"stream no test here serves. Supported: {SUPPORTED}")
     if "BailingMoeV2_5ForCausalLM" in architectures:
         _refuse_unsupported_lightning(text_config)
-    if "KimiK3LinearForCausalLM" in architectures:
+    if {"KimiK3LinearForCausalLM", "KimiK3ForConditionalGeneration"} & set(architectures):
         _refuse_unsupported_attn_residuals(text_config)
     if is_parallel_hybrid(architectures):
         heads = text_config.num_attention_heads
@@ -230,7 +230,7 @@ def _refuse_unsupported_attn_residuals(text_config) -> None:
     block = getattr(text_config, "attn_res_block_size", None)
     if block is None:
         raise ValueError("--enable-tail-replay serves Kimi K3 with its attention residuals; this "
-                         f"KimiK3LinearForCausalLM config has no attn_res_block_size. Supported: {SUPPORTED}")
+                         f"Kimi K3 config has no attn_res_block_size. Supported: {SUPPORTED}")
     mla = banking_attention_layers(layer_kinds(text_config), block)
     if mla:
         raise ValueError(f"--enable-tail-replay: Kimi K3's banking layers (every attn_res_block_size={block}-th) "

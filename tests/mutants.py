@@ -257,12 +257,14 @@ MUTANTS = (
            "            self.kv_rows.append(pool.req_to_token[row, :end].long()); self.masks.append(None); "
            "self.masks.pop(); self.kv_rows[-1][:start] = self.kv_rows[-1][start]",
            ("tests/test_zaya.py::test_a_hit_at_any_token_replays_the_window_and_equals_no_cache",), server=True),
-    Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL) re-embeds the ids of an "
+    Mutant("wrapper-reembed", "a vision wrapper's replay (MiniCPM-V 4.6, LFM2-VL, Kimi K3) re-embeds the ids of an "
            "image's rows instead of reading the stored group-0 input (the vision tower's features)",
            "tailreplay_sglang/layout.py",
            "        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,",
            "        return cls(layer_kinds(text), text.hidden_size, stores_embeddings=False, mixer=mixer,",
-           ("tests/test_vision_wrappers.py::test_a_hit_through_a_split_image_equals_no_cache",), server=True),
+           ("tests/test_vision_wrappers.py::test_a_hit_through_a_split_image_equals_no_cache",
+            "tests/test_kimi_k3_vl.py::test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache"),
+           server=True),
     Mutant("replan-skip", "a load-back that brings fewer tokens than planned keeps the old plan (replan_after_load)",
            "tailreplay_sglang/cache/component.py",
            "        if state is None or state.match is None or state.match.matched == m:",

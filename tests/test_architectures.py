@@ -106,20 +106,6 @@ def test_an_unknown_architecture_is_refused_by_name():
         family_of(["Qwen3ForCausalLM"])
 
 
-@pytest.mark.parametrize("arch, text_config", [
-    # Measured at 5674c68: fell to the GDN default, only KimiLinearForCausalLM was listed as KDA (K3's language model,
-    # KimiK3LinearForCausalLM, is served since, tests/test_layout.py; the vision checkpoint is not)
-    ("KimiK3ForConditionalGeneration", {"hidden_size": 64, "num_hidden_layers": 4, "attn_res_block_size": 2,
-                                 "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}}),
-])
-def test_frontier_checkpoints_that_pass_for_an_old_layout_are_refused_at_launch(tmp_path, arch, text_config):
-    """The checkpoints main once accepted by accident: their layer lists read like GDN or Kimi Linear ones, but the
-    architecture is not on the list, so the launcher's layout refuses it with the reason."""
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "text_config": text_config}))
-    with pytest.raises(UnsupportedArchitectureError, match=f"does not serve {arch}: {re.escape(REFUSED[arch])}"):
-        HybridLayout.from_model_path(str(tmp_path))
-
-
 def test_qwen38_reads_its_qsa_layers_as_attention_and_stores_every_stream(tmp_path):
     """Qwen3.8-Flash-Next, served (tests/test_qwen38.py): its indexed_attention layers cut the groups, and a stored
     row is all hc_count streams of a group's input."""

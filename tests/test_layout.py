@@ -294,3 +294,13 @@ def test_kimi_k3_groups_and_its_banking_layers(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
             HybridLayout.from_model_path(str(tmp_path))
+    # The vision checkpoint (KimiK3ForConditionalGeneration): the same groups from its text_config, group 0 stored
+    # too (its input carries the tower's rows), and the same refusals.
+    vision = {"architectures": ["KimiK3ForConditionalGeneration"], "vision_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(dict(vision, text_config=config)))
+    lay = HybridLayout.from_model_path(str(tmp_path))
+    assert lay.mixer == KDA_ATTN_RES and lay.stores_embeddings
+    assert [g.first_layer for g in lay.stored_groups] == [0, 4, 8]
+    (tmp_path / "config.json").write_text(json.dumps(dict(vision, text_config=refused["MLA"])))
+    with pytest.raises(ValueError, match="MLA"):
+        HybridLayout.from_model_path(str(tmp_path))
