@@ -189,6 +189,9 @@ class Preset:
     # Kimi K3 with its vision tower (KimiK3ForConditionalGeneration, `tailreplay_eval.kimi_k3_vl`): the K3 build under
     # a tiny MoonViT3d tower, with K3's media tokens and processor.
     kimi_vision: bool = False
+    # Qwen3.8-Flash-Next's per-layer embeddings (`tailreplay_eval.qwen4exp`): the PLE layers, 1-indexed as
+    # `ple_layer_ids`; () none.
+    ple_layers: tuple[int, ...] = ()
     # LFM2 (model_type lfm2): its short-conv and attention layers; num_hidden_layers is the pattern's length.
     short_conv: ShortConv | None = None
     # Nemotron-H Puzzle (`tailreplay_eval.nemotron_puzzle`): the `mamba2` pattern's MoE layers with their own sizes,
@@ -358,6 +361,14 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen3.8-flash-next": Preset(
         model_type="qwen4_exp", **dict(TINY, dtype="bfloat16"), vision=TINY_VISION, partial_rotary_factor=0.5,
         mrope_section=(2, 1, 1), mtp_layers=1,
+        moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    # Qwen3.8-Flash-Next with per-layer embeddings: the same build (no MTP head) with PLE on layers 1 and 6
+    # (1-indexed): the first layer of GDN group 0 and a GDN layer inside group 1 (transformers allows PLE on
+    # linear-attention layers only).
+    "tiny-qwen3.8-flash-next-ple": Preset(
+        model_type="qwen4_exp", **dict(TINY, dtype="bfloat16"), vision=TINY_VISION, partial_rotary_factor=0.5,
+        mrope_section=(2, 1, 1), ple_layers=(1, 6),
         moe=MoE(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     ),
     # GLM-5.3-Flash (glm5_next, `tailreplay_eval.glm5`): KDA and DSA-indexed MLA layers (every fourth) under 4 mHC
@@ -814,7 +825,7 @@ def model_config(preset: Preset, tokenizer: Tokenizer) -> PretrainedConfig:
     config.rope_theta = preset.rope_theta
     config.partial_rotary_factor = preset.partial_rotary_factor  # HF's Qwen3.5 config writes 0.25 here regardless
     config.attn_output_gate = True
-    return qwen4exp.text_config(config) if preset.model_type == "qwen4_exp_text" else config
+    return qwen4exp.text_config(config, preset.ple_layers) if preset.model_type == "qwen4_exp_text" else config
 
 
 @torch.no_grad()
@@ -913,6 +924,8 @@ def init_model(config: PretrainedConfig, seed: int, dtype: str) -> PreTrainedMod
         zaya.init_tiny(model)
     if config.model_type == "glm5_next":
         glm5.init_gates(model, GDN_MEMORY_TOKENS)
+    if config.model_type == "qwen4_exp":
+        qwen4exp.init_ple_convs(model, seed)
     return model.to(getattr(torch, dtype))  # save_pretrained records this dtype in config.json
 
 

@@ -38,13 +38,31 @@ TEXT_FIELDS = dict(
 )
 
 
-def text_config(config):
+# Per-layer embeddings, where a preset has them (`Preset.ple_layers`): n-gram tables of about 16 x 1,000 rows a layer
+# instead of the published 16 x 20 million.
+PLE_FIELDS = dict(ngram_vocab_size_base=1000)
+PLE_CONV_STD = 0.3  # the dilated conv's taps: HF and SGLang start them at zero, which would leave its state unread
+
+
+def text_config(config, ple_layers: tuple[int, ...] = ()):
     """The preset's Qwen3.5-style text config (`models.model_config`) with Qwen4-Exp's fields, its full-attention
-    layers named as Qwen4-Exp names them (QSA: `indexed_attention`)."""
-    for key, value in TEXT_FIELDS.items():
+    layers named as Qwen4-Exp names them (QSA: `indexed_attention`), and PLE on `ple_layers` (1-indexed)."""
+    for key, value in dict(TEXT_FIELDS, **(dict(PLE_FIELDS, ple_layer_ids=list(ple_layers)) if ple_layers else {})
+                           ).items():
         setattr(config, key, value)
     config.layer_types = ["indexed_attention" if t == "full_attention" else t for t in config.layer_types]
     return config
+
+
+def init_ple_convs(model, seed: int) -> None:
+    """Nonzero taps for every PLE layer's dilated conv (drawn from `seed`), so its state carries across tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(".ple.conv1d"):
+                module.weight.copy_(PLE_CONV_STD * torch.randn(module.weight.shape, generator=generator))
 
 
 def serving_dtypes(config_file: Path) -> None:
