@@ -7,11 +7,11 @@ transformers' Qwen4ExpConfig, plus what Qwen4-Exp adds to the text stack:
 - QSA sparse attention in the full-attention layers (`indexed_attention`): an indexer scores blocks of
   `indexer_compress_ratio` keys and keeps the best `indexer_budget` tokens (SGLang allows budget / ratio of 512 or
   2048 only, so prompts under 1024 tokens see every token, as dense attention);
-- no per-layer embeddings (PLE: `ple_layer_ids` empty). A PLE layer adds hashed n-gram embeddings of the token ids,
-  gated by each stream and passed through a dilated depthwise conv, so it holds two more per-request states (the
-  conv's last (kernel - 1) x ngram_size inputs, the last ngram_size - 1 token ids), which Tail-Replay does not
-  rebuild yet (`layout._refuse_unsupported_mixers`). Stock SGLang served a tiny PLE build (layers 0 and 5, n-gram
-  tables of `ngram_vocab_size_base` 1000) on the CPU route by hand on 2026-12-06 with HF's greedy tokens.
+- per-layer embeddings (PLE) where the preset names its layers (`Preset.ple_layers`; tiny-qwen3.8-flash-next-ple:
+  layers 0 and 5): a PLE layer adds hashed n-gram embeddings of the token ids, gated by each stream and passed
+  through a dilated depthwise conv, so it holds two more per-request states (the conv's last (kernel - 1) x
+  ngram_size inputs, the last ngram_size - 1 token ids; `families/ple.py` rebuilds them). Its n-gram tables are
+  small (`PLE_FIELDS`) and its conv taps nonzero (`init_ple_convs`).
 
 SGLang 0.5.23 builds the hyper-connection weights and the n-gram tables in bfloat16 whatever the checkpoint's dtype
 (`models/qwen4_exp.py`), so the checkpoint is bfloat16, sub-configs included (SGLang reads the text config's dtype

@@ -48,7 +48,7 @@ SERVED = {
     "JetNemotronForCausalLM": (JET, "Jet-Nemotron (JetBlock: a gated delta rule over dynamically convolved values; "
                                     "full attention)"),
     "Qwen4ExpForConditionalGeneration": (HYPER_GDN, "Qwen3.8-Flash-Next (GDN + QSA sparse attention under 4 "
-                                                    "hyper-connection streams; without per-layer embeddings)"),
+                                                    "hyper-connection streams; per-layer embeddings)"),
     "ZayaForCausalLM": (CCA, "ZAYA1 (CCA attention, whose conv over q and k and delayed value keep a few tokens' "
                              "state per request beside its KV; MoE)"),
     "KimiK3LinearForCausalLM": (KDA_ATTN_RES, "Kimi K3, text (KDA + gated NoPE MLA under attention residuals; "

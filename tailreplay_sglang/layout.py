@@ -66,6 +66,8 @@ class HybridLayout:
     conv_kernel: int | None = None
     # the residual stream's hyper-connection streams (Qwen3.8-Flash-Next: hc_count; GLM-5.3-Flash: hc_mult), all stored
     streams: int = 1
+    # recurrent layers that start a group wherever they sit (Qwen3.8-Flash-Next's PLE layers: `group_starts`)
+    group_starts: tuple[int, ...] = ()
 
     @property
     def row_width(self) -> int:
@@ -74,14 +76,14 @@ class HybridLayout:
 
     @property
     def groups(self) -> tuple[Group, ...]:
-        """Runs of layers between FA layers, cut after their last recurrent layer (runs without one dropped);
-        run i is group i."""
+        """Runs of layers between FA layers (also cut before each of `group_starts`), cut after their last recurrent
+        layer (runs without one dropped); run i is group i."""
         runs, current = [], []
         for layer_id, kind in enumerate(self.layer_types):
-            if kind == FULL:
+            if kind == FULL or layer_id in self.group_starts:
                 runs.append(current)
                 current = []
-            else:
+            if kind != FULL:
                 current.append(layer_id)
         runs.append(current)
         groups = []
@@ -96,7 +98,7 @@ class HybridLayout:
         """Groups whose replay input comes from the hidden store: every group not fed by the embeddings, and that
         one too where the embeddings are stored."""
         first_fa = self.layer_types.index(FULL) if FULL in self.layer_types else len(self.layer_types)
-        return tuple(g for g in self.groups if g.first_layer > first_fa or self.stores_embeddings)
+        return tuple(g for g in self.groups if g.first_layer > first_fa or g.index > 0 or self.stores_embeddings)
 
     @classmethod
     def from_hf_config(cls, config) -> "HybridLayout":
@@ -112,7 +114,7 @@ class HybridLayout:
         return cls(layer_kinds(text), text.hidden_size, stores_embeddings=vision is not None, mixer=mixer,
                    chunk_size=mamba_chunk_size(text) if mixer == MAMBA2 else None,
                    conv_kernel=conv_kernel(text, mixer),
-                   streams=hyper_streams(text, mixer))
+                   streams=hyper_streams(text, mixer), group_starts=ple_layers(text))
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "HybridLayout":
@@ -129,7 +131,7 @@ class HybridLayout:
             return cls(layer_kinds(ConfigAttrs(text)), text["hidden_size"], stores_embeddings=vision is not None,
                        mixer=mixer, chunk_size=mamba_chunk_size(ConfigAttrs(text)) if mixer == MAMBA2 else None,
                        conv_kernel=conv_kernel(ConfigAttrs(text), mixer),
-                       streams=hyper_streams(ConfigAttrs(text), mixer))
+                       streams=hyper_streams(ConfigAttrs(text), mixer), group_starts=ple_layers(ConfigAttrs(text)))
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
@@ -175,11 +177,13 @@ def _refuse_unsupported_mixers(architectures, text_config) -> None:
     would keep every layer's input: hidden_size values per layer per token, against the KV's 2 x kv_heads x
     head_dim. The ratio is computed from the checkpoint's config and reported (Falcon-H1-7B: 3072 values against
     2 x 2 x 128 = 512, 6x; `bench/memory.py --all` has its row); the store would displace that much KV."""
-    if "Qwen4ExpForConditionalGeneration" in architectures and getattr(text_config, "ple_layer_ids", None):
-        raise ValueError("--enable-tail-replay does not replay Qwen3.8-Flash-Next's per-layer embeddings yet: its PLE "
-                         f"layers (ple_layer_ids {list(text_config.ple_layer_ids)}) keep a dilated short-conv state "
-                         "and an n-gram token history per request, which its replay and anchors do not rebuild. "
-                         f"Supported: {SUPPORTED}")
+    if "Qwen4ExpForConditionalGeneration" in architectures:
+        kinds = layer_kinds(text_config)
+        other = [i + 1 for i in ple_layers(text_config) if kinds[i] != LINEAR]
+        if other:
+            raise ValueError(f"--enable-tail-replay replays Qwen3.8-Flash-Next's per-layer embeddings on GDN layers "
+                             f"(as transformers allows them); ple_layer_ids {other} are not GDN layers. "
+                             f"Supported: {SUPPORTED}")
     if "BailingMoeV3ForCausalLM" in architectures and getattr(text_config, "short_conv_kernel_size", None) is None:
         raise ValueError("--enable-tail-replay replays Ling-3.0's KDA layers, which a Bailing config declares with "
                          "short_conv_kernel_size; this one has none (its layers would be built as lightning "
@@ -283,6 +287,13 @@ def hyper_streams(text_config, mixer: str) -> int:
     if mixer == MHC_KDA and getattr(text_config, "mhc", False):
         return getattr(text_config, "hc_mult", 1)
     return 1
+
+
+def ple_layers(text_config) -> tuple[int, ...]:
+    """Qwen3.8-Flash-Next's per-layer-embedding layers (`ple_layer_ids`, 1-indexed), 0-indexed. Each starts a group:
+    the streams entering it, before its PLE adds to them, are then a stored group input, from which the replay
+    rebuilds its conv state (`families/ple.py`)."""
+    return tuple(sorted({int(i) - 1 for i in (getattr(text_config, "ple_layer_ids", None) or ())}))
 
 
 def layer_kinds(text_config) -> tuple[str, ...]:

@@ -105,7 +105,7 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
     h2d = HostToDevice(runner.device, h2d_mode)
     wait_for_loaded_rows(runner)
     inputs = store.fetch_tail(batch.kv_slots, h2d)  # every load launched up front (a no-op on the device tier)
-    batch.kv_pool = runner.token_to_kv_pool
+    batch.kv_pool, batch.store = runner.token_to_kv_pool, store
     batch.log_survival = torch.full((len(batch.reqs),), float("-inf"), device=batch.mamba_slots.device)
     for group in store.layout.groups:
         key = group.first_layer if store.is_stored(group.first_layer) else TOKENS
@@ -118,17 +118,19 @@ def _run_groups(runner, store: HiddenStore, family: Family, batch: ReplayBatch, 
 
 
 def _plan_pending(runner, forward_batch, pending: PendingReplays, config: TailReplayConfig,
-                  metrics) -> ReplayBatch | None:
-    """The batch's hits taken from `pending` and reported; the pass that rebuilds their states, or None."""
+                  metrics) -> tuple[ReplayBatch | None, list[tuple[int, int]]]:
+    """The batch's hits taken from `pending` and reported: the pass that rebuilds their states, or None, and every
+    hit as (request-pool row, matched tokens)."""
     if not len(pending):
-        return None
+        return None, []
     pool_rows = pool_rows_of(forward_batch)
     rows = pending.take(pool_rows, list(forward_batch.extend_prefix_lens_cpu))
     for _, match, req in rows:  # what every hit reports, replayed or not; the pass below adds its figures
         visibility.record_hit(req, match.anchor, survival=None if match.exact else 1.0)
         if metrics is not None:
             metrics.observe_hit(match.exact)
-    return plan(runner, pool_rows, rows, config) if rows else None
+    hits = [(pool_rows[row], match.matched) for row, match, _ in rows]
+    return (plan(runner, pool_rows, rows, config) if rows else None), hits
 
 
 def wait_for_loaded_rows(runner) -> None:
@@ -153,8 +155,8 @@ def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pendi
     exchanging = dp_attention.must_exchange(forward_batch, replay_in_step)
     if not len(pending) and not exchanging:  # no hit since the last forward: nothing to do, nothing read
         return None
-    batch = _plan_pending(runner, forward_batch, pending, config, metrics) if forward_batch.forward_mode.is_extend() \
-        else None
+    batch, hits = _plan_pending(runner, forward_batch, pending, config, metrics) \
+        if forward_batch.forward_mode.is_extend() else (None, [])
     if exchanging:
         exchange = dp_attention.exchange_rows(sum(batch.tail_lens) if batch is not None else 0)
         if batch is None:
@@ -164,9 +166,11 @@ def run_pending(runner, forward_batch, store: HiddenStore, family: Family, pendi
             return None
         batch.exchange = exchange
     if batch is None:
+        family.on_hits(runner, store, hits)
         return None
     start = time.perf_counter()
     run(runner, store, family, batch, config.h2d)
+    family.on_hits(runner, store, hits)
     seconds = time.perf_counter() - start
     # the one read a pass makes, and only when a zero-init tail has a bound to report
     survival = batch.log_survival.exp().tolist() if batch.needs_survival else [None] * len(batch.reqs)

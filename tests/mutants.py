@@ -265,6 +265,21 @@ MUTANTS = (
            ("tests/test_vision_wrappers.py::test_a_hit_through_a_split_image_equals_no_cache",
             "tests/test_kimi_k3_vl.py::test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache"),
            server=True),
+    Mutant("ple-state-stale", "a hit's PLE conv states are left as the anchor's slot holds them (GDN states only) or "
+           "a cleared slot does, not rebuilt at the match end", "tailreplay_sglang/families/hyper_gdn.py",
+           "                ple_ops.write_states(ple, pool, slot, state)", "                pass",
+           ("tests/test_qwen38_ple.py::test_a_fork_rebuilds_the_ple_states_and_equals_no_cache",), server=True),
+    Mutant("ple-tail-skipped", "a PLE group's replay leaves out the layer's contribution over the tail",
+           "tailreplay_sglang/families/hyper_gdn.py",
+           "            x = x + self._ple_over_tails(model, pool, group, ple, x, batch)", "            pass",
+           ("tests/test_qwen38_ple.py::test_a_fork_rebuilds_the_ple_states_and_equals_no_cache",), server=True),
+    Mutant("ple-history-shifted", "the n-gram history written at a hit's match end is one token early",
+           "tailreplay_sglang/families/hyper_gdn.py",
+           "            histories.append(ple_ops.span_ids(store, pool.req_to_token[row], end, end, "
+           "embedding.ngram_size - 1,",
+           "            histories.append(ple_ops.span_ids(store, pool.req_to_token[row], end - 1, end - 1, "
+           "embedding.ngram_size - 1,",
+           ("tests/test_qwen38_ple.py::test_a_fork_rebuilds_the_ple_states_and_equals_no_cache",), server=True),
     Mutant("replan-skip", "a load-back that brings fewer tokens than planned keeps the old plan (replan_after_load)",
            "tailreplay_sglang/cache/component.py",
            "        if state is None or state.match is None or state.match.matched == m:",

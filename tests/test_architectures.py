@@ -145,12 +145,14 @@ def test_glm5_without_mhc_is_refused_naming_it(tmp_path):
         HybridLayout.from_model_path(str(tmp_path))
 
 
-def test_qwen38_with_per_layer_embeddings_is_refused_naming_them(tmp_path):
-    text = {"hidden_size": 64, "num_hidden_layers": 4, "hc_count": 4, "ple_layer_ids": [1],
+def test_qwen38_per_layer_embeddings_on_a_non_gdn_layer_are_refused_naming_them(tmp_path):
+    """PLE layers start groups (tests/test_qwen38_ple.py); one on a QSA layer (which transformers does not allow)
+    would hold states no replay rebuilds."""
+    text = {"hidden_size": 64, "num_hidden_layers": 4, "hc_count": 4, "ple_layer_ids": [1, 4],
             "layer_types": ["linear_attention"] * 3 + ["indexed_attention"]}
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen4ExpForConditionalGeneration"],
                                                       "text_config": text}))
-    with pytest.raises(ValueError, match=r"per-layer embeddings yet: its PLE layers \(ple_layer_ids \[1\]\)"):
+    with pytest.raises(ValueError, match=r"ple_layer_ids \[4\] are not GDN layers"):
         HybridLayout.from_model_path(str(tmp_path))
 
 

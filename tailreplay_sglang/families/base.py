@@ -29,6 +29,7 @@ class ReplayBatch:
     cu_seqlens_cpu: torch.Tensor | None = None
     pool_rows: list[int] | None = None  # [n] each request's row in the request-to-token pool
     kv_pool: object | None = None  # the runner's KV pool, for families whose replay attends to the cached KV (cca)
+    store: object | None = None  # the hidden store, for families that read rows beyond the tails (PLE's conv window)
     # What a family builds once per pass and every group reuses, under the family's name (short_conv: its kernel)
     pass_state: dict = field(default_factory=dict)
 
@@ -112,6 +113,10 @@ class Family:
     def required(self, model, layout) -> list[tuple[object, str, str]]:
         """(object, dotted attribute path, where) of every model internal the capture and replay touch."""
         raise NotImplementedError
+
+    def on_hits(self, runner, store, hits: list[tuple[int, int]]) -> None:
+        """After a batch's replay pass: per-request states beside the recurrent ones that every hit, replayed or not,
+        must find right at its match end; `hits` are (request-pool row, matched tokens). Most families keep none."""
 
     def feed_forwards(self, model, layout) -> list:
         """Under attention DP (`dp_attention`): the feed-forward blocks a replay pass runs, in its order
