@@ -34,7 +34,8 @@ MEDIA_PROC_CFG = dict(patch_size=8, merge_kernel_size=2, in_patch_limit=256, pat
 def _tower_weights(text_hidden: int, generator: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tower's and projector's tensors under SGLang's names, scaled so every layer keeps unit-size rows."""
     v, mlp, p = VISION["vt_hidden_size"], VISION["vt_intermediate_size"], VISION["patch_size"]
-    merged = v * 4
+    merged = v * VISION["merge_kernel_size"][0] * VISION["merge_kernel_size"][1]
+    grid = (VISION["init_pos_emb_height"], VISION["init_pos_emb_width"])
 
     def matrix(rows, cols):
         return torch.randn(rows, cols, generator=generator) / cols ** 0.5
@@ -44,7 +45,7 @@ def _tower_weights(text_hidden: int, generator: torch.Generator, dtype: torch.dt
 
     patch = torch.randn(v, 3, p, p, generator=generator) / (3 * p * p) ** 0.5
     tensors = {"vision_tower.patch_embed.proj.weight": patch,
-               "vision_tower.patch_embed.pos_emb.weight": 0.1 * torch.randn(16, 16, v, generator=generator),
+               "vision_tower.patch_embed.pos_emb.weight": 0.1 * torch.randn(*grid, v, generator=generator),
                "vision_tower.encoder.final_layernorm.weight": norm(v),
                "mm_projector.proj.0.weight": matrix(merged, merged),
                "mm_projector.proj.2.weight": matrix(text_hidden, merged),

@@ -97,10 +97,11 @@ def greedy_generate(model, input_ids: list[int], max_new_tokens: int) -> list[in
 
 
 @torch.no_grad()
-def prompt_logprobs(model, input_ids: list[int]) -> list[float]:
-    """log p(token_i | tokens_<i) for i >= 1."""
+def prompt_logprobs(model, input_ids: list[int], use_cache: bool | None = None) -> list[float]:
+    """log p(token_i | tokens_<i) for i >= 1. `use_cache=False` where the model fails under its own cache
+    (transformers 5.19's Qwen4-Exp PLE layer: `has_previous_state(layer, state_idx=2)`, KeyError)."""
     ids = torch.tensor([input_ids])
-    logits = model(input_ids=ids).logits[0, :-1].float()
+    logits = model(input_ids=ids, **({} if use_cache is None else {"use_cache": use_cache})).logits[0, :-1].float()
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 

@@ -164,6 +164,13 @@ def start_servers(tmp_path_factory, specs: dict[str, Spec]):
         stop_all(servers)
 
 
+def start_gpu_scheduled(tmp_path_factory, model_path, flag_sets: dict[str, tuple]):
+    """`start_servers` of one checkpoint under several flag sets, all on SGLang's GPU-default scheduling
+    (extra_buffer with the overlap scheduler): the frontier models' modules, whose pages need it."""
+    yield from start_servers(tmp_path_factory, {name: Spec(model_path, flags, kwargs={"gpu_scheduling": True})
+                                                for name, flags in flag_sets.items()})
+
+
 class RunningTest:
     """The test pytest is running (conftest.py's `pytest_runtest_protocol`): a server start checks that it carries
     the `server` mark, so that `make test-fast` (-m "not server") provably starts none."""

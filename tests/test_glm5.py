@@ -22,9 +22,9 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
-from helpers import (EXACT_FLAGS, MODELS_DIR, Spec, assert_anchored_hit, assert_drafted_as_plain, assert_exact,
-                     assert_greedy_agrees, generate, image, no_cache, paged_fork, random_ids, scored, start_servers,
-                     with_images)
+from helpers import (EXACT_FLAGS, MODELS_DIR, assert_anchored_hit, assert_drafted_as_plain, assert_exact,
+                     assert_greedy_agrees, generate, image, no_cache, paged_fork, random_ids, scored,
+                     start_gpu_scheduled, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model, prompt_logprobs
 from tailreplay_eval.server import ServerProcess, flush_cache
@@ -56,8 +56,7 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    yield from start_servers(tmp_path_factory, {name: Spec(model_path, flags, kwargs={"gpu_scheduling": True})
-                                                for name, flags in SERVERS.items()})
+    yield from start_gpu_scheduled(tmp_path_factory, model_path, SERVERS)
 
 
 @pytest.fixture(scope="module")

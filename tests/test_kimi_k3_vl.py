@@ -17,8 +17,8 @@ GPU-default scheduling.
 import pytest
 
 import helpers
-from helpers import (EXACT_FLAGS, MODELS_DIR, Spec, assert_exact, flush_cache, generate, image, no_cache, random_ids,
-                     scored, start_servers, with_images)
+from helpers import (EXACT_FLAGS, MODELS_DIR, assert_exact, flush_cache, generate, image, no_cache, random_ids,
+                     scored, start_gpu_scheduled, with_images)
 from tailreplay_eval.models import build_model, load_tokenizer
 from tailreplay_eval.reference import load_reference, prompt_logprobs
 
@@ -43,22 +43,30 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    yield from start_servers(tmp_path_factory, {name: Spec(model_path, flags, kwargs={"gpu_scheduling": True})
-                                                for name, flags in SERVERS.items()})
+    yield from start_gpu_scheduled(tmp_path_factory, model_path, SERVERS)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return load_reference(model_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
 
 
 @pytest.mark.parametrize("n, seed", [(70, 2), (300, 3)])
-def test_stock_text_matches_the_k3_reference_of_its_language_model(servers, model_path, n, seed):
+def test_stock_text_matches_the_k3_reference_of_its_language_model(servers, reference, n, seed):
     """The wrapper loads its language model's weights (under `language_model.`) where the text model has them:
     SGLang's no-cache prompt log-probs and greedy tokens equal the reference's."""
-    model = load_reference(model_path)
     server, ids = servers["anchored"], random_ids(n, seed)
     flush_cache(server.base_url)
     out = generate(server, ids, NEW, return_logprob=True, logprob_start_len=0)
     assert out["meta_info"]["cached_tokens"] == 0
-    helpers.assert_greedy_agrees(model, ids, out["output_ids"], K3_DECODE_TIE_TOL)
+    helpers.assert_greedy_agrees(reference, ids, out["output_ids"], K3_DECODE_TIE_TOL)
     served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
-    assert max(abs(a - b) for a, b in zip(served, prompt_logprobs(model, ids))) < LOGPROB_TOL
+    assert max(abs(a - b) for a, b in zip(served, prompt_logprobs(reference, ids))) < LOGPROB_TOL
 
 
 def prompt(content: str) -> str:
@@ -70,10 +78,9 @@ FIRST, AGAIN = prompt(HEAD + " word" * 60 + " Describe it."), prompt(HEAD + " co
 ROWS = 16  # a 64x64 picture: 8x8 patches merged 2x2
 
 
-def served_ids(model_path, text: str) -> list[int]:
+def served_ids(tokenizer, text: str) -> list[int]:
     """The prompt's ids as SGLang's K3 processor writes them: the text's, with its one placeholder framed by
     "<|media_begin|>image 64x64<|media_content|>" and "<|media_end|>" and repeated once per row."""
-    tokenizer = load_tokenizer(model_path)
     pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
     ids = tokenizer.encode(text)
     at = ids.index(pad)
@@ -81,24 +88,24 @@ def served_ids(model_path, text: str) -> list[int]:
     return ids[:at] + framing + [pad] * ROWS + tokenizer.encode("<|media_end|>") + ids[at + 1:]
 
 
-def test_the_image_reaches_the_language_model(servers, model_path):
+def test_the_image_reaches_the_language_model(servers, tokenizer):
     """The tower's rows are in the prompt where SGLang's processor puts them, and another picture moves the
     log-probs of the text after it."""
     server = servers["anchored"]
     runs = [no_cache(server, FIRST, 0, 1, **with_images(image(seed=s, px=PICTURE_PX))) for s in (3, 4)]
-    assert runs[0]["prompt_len"] == len(served_ids(model_path, FIRST)) - 1  # log-probs from the second token on
-    after = len(served_ids(model_path, prompt(HEAD)))
+    assert runs[0]["prompt_len"] == len(served_ids(tokenizer, FIRST)) - 1  # log-probs from the second token on
+    after = len(served_ids(tokenizer, prompt(HEAD)))
     moved = max(abs(a - b) for a, b in zip(runs[0]["logprobs"][after:], runs[1]["logprobs"][after:]))
     assert moved > 0.05, moved
 
 
 @pytest.mark.parametrize("name", ["anchored", "paper"])
-def test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache(servers, model_path, name):
+def test_a_hit_through_an_image_replays_its_stored_rows_and_equals_no_cache(servers, tokenizer, name):
     """A second question about the same image, parting from the first inside the anchored server's first chunk:
     both servers replay the whole match, image rows included, from group 0's stored rows (no anchor lies below it),
     and equal their own no-cache prefill."""
     server, picture = servers[name], image(seed=3, px=PICTURE_PX)
-    a, b = served_ids(model_path, FIRST), served_ids(model_path, AGAIN)
+    a, b = served_ids(tokenizer, FIRST), served_ids(tokenizer, AGAIN)
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert ROWS < shared < CHUNK
     flush_cache(server.base_url)

@@ -23,8 +23,8 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
-from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, Spec, assert_drafted_as_plain, assert_exact, generate, image,
-                     no_cache, paged_fork, scored, start_servers, with_images)
+from helpers import (EXACT_FLAGS, EXACT_TOL, MODELS_DIR, assert_drafted_as_plain, assert_exact, generate, image,
+                     no_cache, paged_fork, scored, start_gpu_scheduled, with_images)
 from tailreplay_eval.models import build_model
 from tailreplay_eval.reference import load_hf_model
 from tailreplay_eval.server import ServerProcess, cpu_serving_dtype, flush_cache
@@ -67,8 +67,7 @@ SERVERS = {
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    yield from start_servers(tmp_path_factory, {name: Spec(model_path, flags, kwargs={"gpu_scheduling": True})
-                                                for name, flags in SERVERS.items()})
+    yield from start_gpu_scheduled(tmp_path_factory, model_path, SERVERS)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from a cleared slot).
 import pytest
 import torch
 
-from helpers import EXACT_FLAGS, MODELS_DIR, Spec, assert_exact, no_cache, paged_fork, scored, start_servers
+from helpers import EXACT_FLAGS, MODELS_DIR, assert_exact, no_cache, paged_fork, scored, start_gpu_scheduled
 from tailreplay_eval.models import build_model
-from tailreplay_eval.reference import load_hf_model
+from tailreplay_eval.reference import load_hf_model, prompt_logprobs
 from tailreplay_eval.server import flush_cache
 from tailreplay_sglang.layout import HybridLayout
 
@@ -45,8 +45,7 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    yield from start_servers(tmp_path_factory, {name: Spec(model_path, flags, kwargs={"gpu_scheduling": True})
-                                                for name, flags in SERVERS.items()})
+    yield from start_gpu_scheduled(tmp_path_factory, model_path, SERVERS)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +53,10 @@ def hf(model_path):
     return {dtype: load_hf_model(model_path, dtype) for dtype in (torch.float32, torch.bfloat16)}
 
 
-@torch.no_grad()
 def hf_prompt_logprobs(model, ids: list[int]) -> list[float]:
-    """Teacher-forced log-probs of ids[1:]. Without a cache: transformers 5.19's PLE layer fails under one
-    (`has_previous_state(layer, state_idx=2)`: KeyError), so HF cannot decode this model itself."""
-    x = torch.tensor([ids])
-    logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1]
-    return logits.float().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0].tolist()
+    """Teacher-forced, without a cache: transformers 5.19's PLE layer fails under one, so HF cannot decode this model
+    itself."""
+    return prompt_logprobs(model, ids, use_cache=False)
 
 
 def served_prompt_logprobs(server) -> list[float]:

@@ -75,16 +75,16 @@ class HyperGdnFamily(GdnFamily):
             return
         device = pool.req_to_token.device
         slots = pool.get_mamba_indices(torch.tensor([row for row, _ in hits], device=device)).long()
+        embedding = model.layers[layers[0].first_layer].ple.ple_embedding  # one history, shared by the layers
         histories = []
         for (row, end), slot in zip(hits, slots.tolist()):
             for group in layers:
                 ple = model.layers[group.first_layer].ple
                 state = self._span(model, pool, group, ple, store, row, end, end, None)[1]
                 ple_ops.write_states(ple, pool, slot, state)
-            embedding = model.layers[layers[0].first_layer].ple.ple_embedding  # one history, shared by the layers
             histories.append(ple_ops.span_ids(store, pool.req_to_token[row], end, end, embedding.ngram_size - 1,
                                               embedding.eos_token_id))
-        ple_ops.write_history(pool, slots, torch.stack(histories))
+        pool.set_ngram_context(slots, torch.stack(histories))
 
     def _span(self, model, pool, group, ple, store, row: int, start: int, end: int, tail):
         """`ple_ops.ple_over` on one sequence's positions [start - window, end): the window's rows from the store,

@@ -66,6 +66,3 @@ def write_states(ple, pool, slot: int, state: torch.Tensor) -> None:
     cache = pool.short_conv_layer_cache(ple.layer_id)
     cache[slot] = state.to(cache.dtype)
 
-
-def write_history(pool, slots: torch.Tensor, histories: torch.Tensor) -> None:
-    pool.set_ngram_context(slots, histories)
